@@ -1,0 +1,49 @@
+"""Building blocks shared by the reference decoders: attention, a layer stack run unrolled or scanned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax attention over [batch, seq, heads, head_dim]; ``k``/``v`` may have fewer heads (GQA)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k = jnp.repeat(k, groups, axis=2)
+        v = jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    seq = q.shape[1]
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhst,bthd->bshd", probs, v)
+
+
+class LayerStack(nnx.Module):
+    """``n`` copies of a block, applied in order: a Python list (unrolled) or stacked params under ``jax.lax.scan``."""
+
+    def __init__(self, make_block, n: int, *, scan: bool, rngs: nnx.Rngs):
+        self.scan = scan
+        if scan:
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_stacked(rngs):
+                return make_block(rngs)
+            self.blocks = make_stacked(rngs)
+        else:
+            self.blocks = nnx.List([make_block(rngs) for _ in range(n)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if not self.scan:
+            for block in self.blocks:
+                x = block(x)
+            return x
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h), None
+
+        x, _ = jax.lax.scan(body, x, state)
+        return x

@@ -1,0 +1,84 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import LayerStack, causal_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    seq_len: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    d_ff: int
+    scan: bool = False
+    dtype: str = "float32"
+    rope_theta: float = 500000.0
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freqs = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, dt, hd = cfg.d_model, jnp.dtype(cfg.dtype), cfg.d_model // cfg.n_heads
+        self.cfg = cfg
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(d, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.wq = linear(d, cfg.n_heads * hd)
+        self.wk = linear(d, cfg.n_kv_heads * hd)
+        self.wv = linear(d, cfg.n_kv_heads * hd)
+        self.wo = linear(cfg.n_heads * hd, d)
+        self.mlp_norm = nnx.RMSNorm(d, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.w_gate = linear(d, cfg.d_ff)
+        self.w_up = linear(d, cfg.d_ff)
+        self.w_down = linear(cfg.d_ff, d)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        cfg, hd = self.cfg, d // self.cfg.n_heads
+        h = self.attn_norm(x)
+        q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
+        k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
+        v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
+        x = x + self.wo(causal_attention(q, k, v).reshape(b, s, d))
+        h = self.mlp_norm(x)
+        return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.layers = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, scan=cfg.scan, rngs=rngs)
+        self.norm = nnx.RMSNorm(cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.head(self.norm(self.layers(self.embed(tokens))))
+
+
+CONFIGS = {
+    "llama-tiny": LlamaConfig(vocab=256, seq_len=32, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=192),
+    "llama3-8b": LlamaConfig(vocab=128256, seq_len=8192, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32,
+                             d_ff=14336, dtype="bfloat16"),
+    "llama3-70b": LlamaConfig(vocab=128256, seq_len=8192, d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80,
+                              d_ff=28672, dtype="bfloat16"),
+}

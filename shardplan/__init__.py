@@ -1,0 +1,22 @@
+"""shardplan: a sharding auto-planner for JAX and Flax.
+
+An OR-Tools ILP gives every tensor of a train step (forward, backward, optimizer update) a
+PartitionSpec, priced on a device mesh's cost model and held under a per-device memory budget.
+
+>>> import shardplan
+>>> @shardplan.auto(mesh="h100-8", memory_budget="60GiB", donate_argnums=(0,))   # doctest: +SKIP
+... def train_step(state, batch): ...
+"""
+
+from shardplan.api import AutoFunction, auto, plan
+from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanMismatchError,
+                              ShardplanError)
+from shardplan.mesh import MeshSpec, load_mesh, preset_names
+from shardplan.plan import Plan, PredictedCost, TensorPlan
+from shardplan.sizes import parse_bytes
+
+__all__ = [
+    "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "Plan",
+    "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan", "auto", "load_mesh", "parse_bytes",
+    "plan", "preset_names",
+]

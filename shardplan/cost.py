@@ -1,0 +1,151 @@
+"""The cost model: collectives, resharding and roofline compute on a :class:`MeshSpec`.
+
+A *spec* here is the planner's internal form of a ``PartitionSpec``: a tuple with one entry per
+array dimension, each entry the tuple of mesh axes (in mesh order) that shard that dimension.
+
+>>> from shardplan.mesh import load_mesh
+>>> model = CostModel(load_mesh("h100-8"))
+>>> [c.kind for c in model.reshard((4096, 1024), 4, (("model",), ()), ((), ()))]
+['all-gather']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+from jax.sharding import PartitionSpec
+
+from shardplan.mesh import MeshSpec
+
+Spec = tuple[tuple[str, ...], ...]
+
+ALL_GATHER = "all-gather"
+ALL_REDUCE = "all-reduce"
+REDUCE_SCATTER = "reduce-scatter"
+ALL_TO_ALL = "all-to-all"
+COLLECTIVE_KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """One collective: its kind, the mesh axes it runs over, and the bytes of its buffer per device.
+
+    ``nbytes`` is the result size for all-gather, the operand size for reduce-scatter, and the
+    buffer size for all-reduce and all-to-all: the sizes XLA prints on the HLO instruction.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+
+
+def replicated(rank: int) -> Spec:
+    return ((),) * rank
+
+
+def to_partition_spec(spec: Spec) -> PartitionSpec:
+    """``((), ('data',), ('data', 'model'))`` -> ``PartitionSpec(None, 'data', ('data', 'model'))``."""
+    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def from_partition_spec(pspec: PartitionSpec, rank: int) -> Spec:
+    out = []
+    for i in range(rank):
+        entry = pspec[i] if i < len(pspec) else None
+        out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(out)
+
+
+def spec_axes(spec: Spec) -> set[str]:
+    return {a for axes in spec for a in axes}
+
+
+class CostModel:
+    """Prices collectives and compute on one mesh. Pure: the same inputs give the same seconds."""
+
+    def __init__(self, mesh: MeshSpec):
+        self.mesh = mesh
+        self._sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        self._links = {a.name: a.link for a in mesh.axes}
+
+    def shards(self, axes: Iterable[str]) -> int:
+        return math.prod(self._sizes[a] for a in axes)
+
+    def per_device_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
+        """Bytes one device holds; an uneven split is priced at its largest shard."""
+        n = itemsize
+        for size, axes in zip(shape, spec):
+            n *= math.ceil(size / self.shards(axes)) if axes else size
+        return float(n)
+
+    # -- collectives --------------------------------------------------------------------------
+    def collective_time(self, comm: Comm) -> float:
+        """Ring formulas with a latency term per step; a multi-axis collective runs at its slowest link."""
+        n = self.shards(comm.axes)
+        if n <= 1 or comm.nbytes <= 0:
+            return 0.0
+        bandwidth = min(self._links[a].bandwidth for a in comm.axes)
+        latency = max(self._links[a].latency for a in comm.axes)
+        factor = 2.0 if comm.kind == ALL_REDUCE else 1.0
+        return factor * ((n - 1) / n * comm.nbytes / bandwidth + (n - 1) * latency)
+
+    def comms_time(self, comms: Iterable[Comm]) -> float:
+        return sum(self.collective_time(c) for c in comms)
+
+    def reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
+        """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``.
+
+        Slicing is local and comes first (it shrinks what moves); an axis that moves to another
+        dimension is an all-to-all; an axis that leaves is an all-gather.
+        """
+        if src == dst:
+            return []
+        src_dim = {a: d for d, axes in enumerate(src) for a in axes}
+        dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
+        moved = tuple(a for a in self.mesh.axis_names if a in src_dim and a in dst_dim and src_dim[a] != dst_dim[a])
+        gathered = tuple(a for a in self.mesh.axis_names if a in src_dim and a not in dst_dim)
+        sliced = [a for a in self.mesh.axis_names if a in dst_dim and a not in src_dim]
+        # Sharding after the local slices: src plus the new axes on their dst dimensions.
+        current = [list(axes) for axes in src]
+        for a in sliced:
+            current[dst_dim[a]].append(a)
+        comms = []
+        size = self.per_device_bytes(shape, itemsize, tuple(tuple(c) for c in current))
+        if moved:
+            comms.append(Comm(ALL_TO_ALL, moved, size))
+        if gathered:
+            comms.append(Comm(ALL_GATHER, gathered, size * self.shards(gathered)))
+        return comms
+
+    def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
+                       partial: Sequence[str], dst: Spec) -> list[Comm]:
+        """Collectives that sum a result that is partial over mesh axes ``partial`` and reshard it to ``dst``.
+
+        A partial axis that ``dst`` shards on a dimension becomes a reduce-scatter; the rest an all-reduce.
+        """
+        if not partial:
+            return self.reshard(shape, itemsize, produced, dst)
+        dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
+        scatter = tuple(a for a in self.mesh.axis_names if a in partial and a in dst_dim)
+        reduce = tuple(a for a in self.mesh.axis_names if a in partial and a not in dst_dim)
+        comms = []
+        current = [list(axes) for axes in produced]
+        if scatter:
+            comms.append(Comm(REDUCE_SCATTER, scatter, self.per_device_bytes(shape, itemsize, produced)))
+            for a in scatter:
+                current[dst_dim[a]].append(a)
+        current_spec = tuple(tuple(sorted(c, key=self.mesh.axis_names.index)) for c in current)
+        if reduce:
+            comms.append(Comm(ALL_REDUCE, reduce, self.per_device_bytes(shape, itemsize, current_spec)))
+        return comms + self.reshard(shape, itemsize, current_spec, dst)
+
+    # -- compute ------------------------------------------------------------------------------
+    def compute_time(self, flops: float, nbytes: float, dtype_name: str = "float32") -> float:
+        """Roofline: the larger of FLOPs over peak FLOP/s and bytes moved over HBM bandwidth."""
+        device = self.mesh.device
+        return max(flops / device.flops_for(dtype_name), nbytes / device.hbm_bandwidth)

@@ -1,0 +1,39 @@
+"""Typed exceptions. Each carries the offending objects and says how to fix the input."""
+
+from __future__ import annotations
+
+
+class ShardplanError(Exception):
+    """Base class of every error shardplan raises on purpose."""
+
+
+class MeshConfigError(ShardplanError, ValueError):
+    """A mesh file, preset name or axis override is wrong.
+
+    ``key`` names the config key (``"device.hbm_bytes"``, ``"axes[1].size"``) when one is at fault.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        where = " ".join(x for x in (source and f"{source}:", key and f"[{key}]") if x)
+        super().__init__(f"{where} {message}".strip())
+        self.source = source
+        self.key = key
+
+
+class InfeasibleBudgetError(ShardplanError):
+    """No plan fits ``memory_budget``; ``min_feasible_bytes`` is the smallest budget that works."""
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None,
+                 largest_tensors: list[tuple[str, int]]):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        self.largest_tensors = largest_tensors
+
+
+class PlanMismatchError(ShardplanError, ValueError):
+    """A plan is applied to arguments of another structure, shape or dtype than it was made for."""
+
+
+class DeviceCountError(ShardplanError, RuntimeError):
+    """The mesh needs more devices than ``jax.devices()`` offers."""

@@ -1,0 +1,375 @@
+"""The train step as a graph: every tensor, how their dimensions must agree, and the ops between them.
+
+Tracing gives one jaxpr for forward, backward and optimizer update. Walking it (recursing into
+``pjit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``cond``, ``while`` and ``scan`` bodies) yields:
+
+* tensors, each with shape, dtype, a name (input path or Flax name stack) and a trip-count multiplier;
+* *groups*: tensors joined by same-shape elementwise ops, which share one sharding (their
+  dimensions fall into *dimension classes*, so a group's sharding maps mesh axes to classes);
+* edges between groups for every other op, priced by the op's rule (:mod:`shardplan.rules`),
+  and ``dot_general`` ops, which choose their own strategy;
+* memory checkpoints: the sets of tensors live at the fullest points of the schedule.
+
+A scan over layers is walked once: its body's tensors carry the trip count as multiplier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+Spec = tuple[tuple[str, ...], ...]
+
+# Params that do not stop a same-shape op from being elementwise.
+_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype"}
+_CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
+                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+
+
+@dataclasses.dataclass
+class Tensor:
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    name: str
+    role: str           # "input", "output" or "activation"
+    source: str         # "file:line (function)" of the op that made it, or the input path
+    mult: float         # how many times it is produced per step (trip counts of enclosing scans)
+    traffic: int = 0    # operands + result of the op that made it, for its HBM traffic
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairEdge:
+    """An op seen as a relation between two tensors.
+
+    Exactly one of ``required`` / ``produced`` is set: ``required(dst_spec)`` gives the spec the op
+    needs of ``src`` to make ``dst`` locally; ``produced(src_spec)`` gives the spec of the result the
+    op makes from ``src`` and the mesh axes over which that result is still a partial sum.
+    """
+
+    src: int
+    dst: int
+    primitive: str
+    mult: float
+    required: Callable[[Spec], Spec] | None = None
+    produced: Callable[[Spec], tuple[Spec, tuple[str, ...]]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DotOp:
+    """A ``dot_general``: dims are lists of (lhs dim, rhs dim, out dim) with None where absent."""
+
+    lhs: int
+    rhs: int
+    out: int
+    dims: tuple[tuple[int | None, int | None, int | None], ...]
+    mult: float
+    source: str
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: list[int] = []
+
+    def add(self) -> int:
+        self.parent.append(len(self.parent))
+        return len(self.parent) - 1
+
+    def find(self, x: int) -> int:
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+@dataclasses.dataclass
+class _Level:
+    """Liveness bookkeeping of one jaxpr being walked."""
+
+    defined: list[list[int]] = dataclasses.field(default_factory=list)   # per eqn, tensors it defines
+    last_use: dict[int, int] = dataclasses.field(default_factory=dict)   # tensor -> last eqn index using it
+    inner_peak: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # eqn index -> body's peak set
+
+
+class Graph:
+    """Build with :func:`build_graph`; read-only afterwards."""
+
+    def __init__(self):
+        self.tensors: list[Tensor] = []
+        self.edges: list[PairEdge] = []
+        self.dots: list[DotOp] = []
+        self.inputs: list[int] = []
+        self.outputs: list[int | None] = []
+        self.points: list[list[int]] = []
+        self.eqn_outputs: dict[tuple[int, int], int] = {}   # (id(eqn), output index) -> tensor
+        self.dot_at: dict[int, int] = {}   # id(eqn) -> index into dots
+        self.warnings: list[str] = []
+        self._groups = _UnionFind()
+        self._dims = _UnionFind()
+        self._dim_offset: list[int] = []
+        self._pinned: set[int] = set()      # dimension keys that must stay unsharded
+        self._warned: set[str] = set()
+
+    # -- construction --------------------------------------------------------------------------
+    def new_tensor(self, aval, name: str, role: str, source: str, mult: float) -> int:
+        tid = len(self.tensors)
+        shape = tuple(int(s) for s in getattr(aval, "shape", ()))
+        dtype = np.dtype(getattr(aval, "dtype", np.float32)) if hasattr(aval, "dtype") else np.dtype(np.float32)
+        self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult))
+        self._groups.add()
+        self._dim_offset.append(len(self._dims.parent))
+        for _ in shape:
+            self._dims.add()
+        return tid
+
+    def dim_key(self, tid: int, dim: int) -> int:
+        return self._dim_offset[tid] + dim
+
+    def union(self, a: int | None, b: int | None, dim_map: Sequence[tuple[int, int]] | None = None) -> None:
+        """Make ``a`` and ``b`` share a sharding; ``dim_map`` pairs their dims (default: identical shapes)."""
+        if a is None or b is None or a == b:
+            return
+        ta, tb = self.tensors[a], self.tensors[b]
+        if ta.rank == 0 or tb.rank == 0:
+            return
+        if dim_map is None:
+            dim_map = [(d, d) for d in range(ta.rank)]
+        self._groups.union(a, b)
+        for da, db in dim_map:
+            self._dims.union(self.dim_key(a, da), self.dim_key(b, db))
+
+    def pin(self, tid: int, dim: int) -> None:
+        """Dimension ``dim`` of ``tid`` is never sharded (a scan's layer axis)."""
+        self._pinned.add(self.dim_key(tid, dim))
+
+    def add_edge(self, edge: PairEdge) -> None:
+        if self.tensors[edge.src].rank and self.tensors[edge.dst].rank:
+            self.edges.append(edge)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.warnings.append(message)
+            warnings.warn(message, stacklevel=3)
+
+    # -- queries -------------------------------------------------------------------------------
+    def group_of(self, tid: int) -> int:
+        return self._groups.find(tid)
+
+    def dim_class(self, tid: int, dim: int) -> int:
+        return self._dims.find(self.dim_key(tid, dim))
+
+    def pinned_classes(self) -> set[int]:
+        return {self._dims.find(k) for k in self._pinned}
+
+    def groups(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for t in self.tensors:
+            out.setdefault(self.group_of(t.id), []).append(t.id)
+        return out
+
+
+def source_of(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # the summary is a nicety; an internal API change must not break planning
+        return "<unknown source>"
+
+
+def _name_of(eqn) -> str:
+    stack = str(getattr(eqn.source_info, "name_stack", "") or "")
+    return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
+
+
+def _sub_jaxpr(eqn) -> tuple[Any, list]:
+    """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
+    for value in eqn.params.values():
+        jaxpr = getattr(value, "jaxpr", value)
+        if isinstance(jaxpr, jcore.Jaxpr) and len(jaxpr.invars) == len(eqn.invars) \
+                and len(jaxpr.outvars) == len(eqn.outvars):
+            return jaxpr, list(getattr(value, "consts", []))
+    raise ValueError(f"cannot find the body of {eqn.primitive.name}")
+
+
+class _Walker:
+    def __init__(self, graph: Graph, rules: Callable):
+        self.g = graph
+        self.rules = rules
+
+    def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: _Level | None = None) -> list[int | None]:
+        """Walk ``jaxpr`` whose invars are ``in_tids``; return the tensors of its outvars."""
+        g = self.g
+        env: dict[Any, int | None] = {}
+        for v in jaxpr.constvars:
+            env[v] = g.new_tensor(v.aval, "constant", "activation", "closure constant", mult)
+        for v, t in zip(jaxpr.invars, in_tids):
+            env[v] = t
+        level = _Level() if level is None else level
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return None
+            return env.get(v)
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            ins = [read(v) for v in eqn.invars]
+            for t in ins:
+                if t is not None:
+                    level.last_use[t] = i
+            name, prim = eqn.primitive.name, eqn.primitive.name
+            if prim in _CALL_PRIMITIVES or prim in ("scan", "while", "cond"):
+                outs = self._structured(eqn, ins, mult, level, i)
+            else:
+                outs = []
+                src = source_of(eqn)
+                for j, v in enumerate(eqn.outvars):
+                    t = g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult)
+                    g.tensors[t].traffic = 1 + sum(1 for x in ins if x is not None)
+                    g.eqn_outputs[(id(eqn), j)] = t
+                    outs.append(t)
+                self.rules(g, eqn, ins, outs, mult)
+            for v, t in zip(eqn.outvars, outs):
+                env[v] = t
+            level.defined.append([t for t in outs if t is not None])
+        outs = [read(v) for v in jaxpr.outvars]
+        for t in outs:
+            if t is not None:
+                level.last_use[t] = len(jaxpr.eqns)
+        return outs
+
+    def _fresh(self, mult: float, eqn) -> list[int]:
+        outs = []
+        for j, v in enumerate(eqn.outvars):
+            t = self.g.new_tensor(v.aval, _name_of(eqn), "activation", source_of(eqn), mult)
+            self.g.eqn_outputs[(id(eqn), j)] = t
+            outs.append(t)
+        return outs
+
+    def _inner(self, body, body_in: list[int | None], mult: float, level: _Level, i: int):
+        inner = _Level()
+        outs = self.walk(body, body_in, mult, inner)
+        level.inner_peak[i] = _peak(self.g, inner, set(body_in))
+        return outs
+
+    def _structured(self, eqn, ins, mult, level, i) -> list[int]:
+        g, prim = self.g, eqn.primitive.name
+        outs = self._fresh(mult, eqn)
+        if prim == "scan":
+            p = eqn.params
+            body = p["jaxpr"].jaxpr
+            nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+            body_in = []
+            for k, (v, t) in enumerate(zip(body.invars, ins)):
+                bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn), mult * length)
+                if k < nc + nk:
+                    g.union(t, bt)
+                elif t is not None and g.tensors[t].rank:
+                    g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
+                    g.pin(t, 0)
+                body_in.append(bt)
+            body_out = self._inner(body, body_in, mult * length, level, i)
+            for k, (bt, t) in enumerate(zip(body_out, outs)):
+                if bt is None:
+                    continue
+                if k < nk:
+                    g.union(bt, body_in[nc + k])
+                    g.union(bt, t)
+                    g.union(t, ins[nc + k])
+                elif g.tensors[t].rank:
+                    g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
+                    g.pin(t, 0)
+        elif prim == "while":
+            p = eqn.params
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            carry_in = ins[cn + bn:]
+            body_in = ins[cn:cn + bn] + carry_in
+            # The trip count is unknown before running: the body is priced once.
+            body_out = self._inner(p["body_jaxpr"].jaxpr, body_in, mult, level, i)
+            for bt, t, c in zip(body_out, outs, carry_in):
+                g.union(bt, t)
+                g.union(t, c)
+        elif prim == "cond":
+            for branch in eqn.params["branches"]:
+                branch_out = self._inner(branch.jaxpr, ins[1:], mult, level, i)
+                for bt, t in zip(branch_out, outs):
+                    g.union(bt, t)
+        else:
+            body, _ = _sub_jaxpr(eqn)
+            body_out = self._inner(body, ins, mult, level, i)
+            for bt, t in zip(body_out, outs):
+                g.union(bt, t)
+        return outs
+
+
+def _peak(g: Graph, level: _Level, exclude: set[int]) -> list[int]:
+    """The live set of the level's fullest point, counted with every tensor replicated."""
+    best, best_bytes = [], -1
+    for live in _live_sets(g, level):
+        live = [t for t in live if t not in exclude]
+        n = sum(g.tensors[t].nbytes for t in live)
+        if n > best_bytes:
+            best, best_bytes = live, n
+    return best
+
+
+def _live_sets(g: Graph, level: _Level):
+    live: set[int] = set()
+    for i, defined in enumerate(level.defined):
+        live.update(t for t in defined if t in level.last_use)
+        yield sorted(live) + level.inner_peak.get(i, [])
+        live = {t for t in live if level.last_use.get(t, -1) > i}
+
+
+def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12) -> Graph:
+    """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths)."""
+    g = Graph()
+    jaxpr = closed_jaxpr.jaxpr
+    ins = [g.new_tensor(v.aval, name, "input", name, 1.0) for v, name in zip(jaxpr.invars, input_names)]
+    g.inputs = ins
+    walker = _Walker(g, rules)
+    level = _Level()
+    consts = [g.new_tensor(v.aval, "constant", "input", "closure constant", 1.0) for v in jaxpr.constvars]
+    bare = jcore.Jaxpr([], list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars, jaxpr.eqns, jaxpr.effects)
+    outs = walker.walk(bare, consts + ins, 1.0, level)
+    for t in outs:
+        if t is not None and g.tensors[t].role == "activation":
+            g.tensors[t].role = "output"
+    g.outputs = outs
+    always = set(consts + ins)
+    scored = []
+    for live in _live_sets(g, level):
+        live = [t for t in live if t not in always]
+        scored.append((sum(g.tensors[t].nbytes for t in live), live))
+    scored.sort(key=lambda x: -x[0])
+    seen, points = set(), []
+    for _, live in scored:
+        key = tuple(live)
+        if key not in seen:
+            seen.add(key)
+            points.append(live)
+        if len(points) >= num_points:
+            break
+    g.points = points or [[]]
+    return g

@@ -1,0 +1,263 @@
+"""Hardware meshes: the devices, the links between them and the logical mesh axes laid over them.
+
+A :class:`MeshSpec` is what a plan is priced for. It may differ from the devices the plan is
+lowered on: planning for ``h100-8`` while lowering on 8 fake CPU devices is the normal way to test.
+
+>>> spec = load_mesh("h100-8", axes={"data": 2, "model": 4})
+>>> spec.axis_names, spec.axis_sizes
+(('data', 'model'), (2, 4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from shardplan.errors import DeviceCountError, MeshConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of interconnect: bandwidth in bytes/s per device per direction, latency in s."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator: peak FLOP/s per dtype name, HBM capacity (bytes) and bandwidth (bytes/s)."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    hbm_bytes: int
+    hbm_bandwidth: float
+
+    def flops_for(self, dtype_name: str) -> float:
+        """Peak FLOP/s for matmuls in ``dtype_name``; unknown dtypes use the float32 rate."""
+        return self.peak_flops.get(dtype_name, self.peak_flops["float32"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """A logical mesh axis and the link its collectives travel over."""
+
+    name: str
+    size: int
+    link: Link
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh as the cost model sees it. Frozen; build it with :func:`load_mesh`."""
+
+    name: str
+    device: Device
+    axes: tuple[Axis, ...]
+    devices_per_node: int
+    intra_node_link: Link
+    inter_node_link: Link
+    source: str = ""
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        return tuple(a.size for a in self.axes)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    def axis(self, name: str) -> Axis:
+        for a in self.axes:
+            if a.name == name:
+                return a
+        raise KeyError(f"mesh {self.name!r} has no axis {name!r}; its axes are {self.axis_names}")
+
+    def with_axes(self, axes: Mapping[str, int]) -> MeshSpec:
+        """The same hardware with other logical axes, laid major to minor over the devices.
+
+        An axis whose span of devices goes past one node is priced at the inter-node link, as
+        ``mesh_utils.create_hybrid_device_mesh`` would lay it.
+        """
+        names, sizes = list(axes), [int(v) for v in axes.values()]
+        if math.prod(sizes) != self.num_devices:
+            raise MeshConfigError(
+                f"axis sizes {dict(axes)} multiply to {math.prod(sizes)}, but mesh {self.name!r} has "
+                f"{self.num_devices} devices; make the sizes multiply to {self.num_devices}", key="axes")
+        built, stride = [], 1
+        for name, size in reversed(list(zip(names, sizes))):
+            crosses = size > 1 and stride * size > self.devices_per_node
+            built.append(Axis(name, size, self.inter_node_link if crosses else self.intra_node_link))
+            stride *= size
+        return dataclasses.replace(self, axes=tuple(reversed(built)))
+
+    def to_jax_mesh(self, devices: list | None = None) -> jax.sharding.Mesh:
+        """A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes over the first devices of ``jax.devices()``."""
+        devices = list(jax.devices()) if devices is None else list(devices)
+        n = self.num_devices
+        if len(devices) < n:
+            raise DeviceCountError(
+                f"mesh {self.name!r} {dict(zip(self.axis_names, self.axis_sizes))} needs {n} devices but "
+                f"jax.devices() has {len(devices)}; on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
+        auto = (jax.sharding.AxisType.Auto,) * len(self.axes)
+        return jax.make_mesh(self.axis_sizes, self.axis_names, axis_types=auto, devices=devices[:n])
+
+
+_TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes"}
+_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth"}
+_LINK_KEYS = {"bandwidth", "latency"}
+_TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
+_AXIS_KEYS = {"name", "size"}
+
+
+def _positive(value: Any, key: str, source: str, kind=float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise MeshConfigError(f"must be a positive number, got {value!r}", source=source, key=key)
+    if kind is int and (not float(value).is_integer()):
+        raise MeshConfigError(f"must be a positive integer, got {value!r}", source=source, key=key)
+    return kind(value)
+
+
+def _check_keys(table: Any, allowed: set[str], key: str, source: str) -> None:
+    if not isinstance(table, dict):
+        raise MeshConfigError(f"must be a table, got {type(table).__name__}", source=source, key=key)
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise MeshConfigError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}",
+                              source=source, key=key or "top level")
+
+
+def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
+                   axes: Mapping[str, int] | None = None) -> MeshSpec:
+    """Validate a parsed mesh file and build the :class:`MeshSpec`; ``axes`` overrides its logical axes."""
+    _check_keys(data, _TOP_KEYS, "", source)
+    for required in ("name", "device", "links", "topology", "axes"):
+        if required not in data:
+            raise MeshConfigError(f"missing section or key {required!r}", source=source, key=required)
+    dev = data["device"]
+    _check_keys(dev, _DEVICE_KEYS, "device", source)
+    for k in _DEVICE_KEYS:
+        if k not in dev:
+            raise MeshConfigError("missing key", source=source, key=f"device.{k}")
+    flops = dev["peak_flops"]
+    if not isinstance(flops, dict) or "float32" not in flops:
+        raise MeshConfigError("must be a table of FLOP/s per dtype with at least 'float32'",
+                              source=source, key="device.peak_flops")
+    device = Device(
+        name=str(dev["name"]),
+        peak_flops={k: _positive(v, f"device.peak_flops.{k}", source) for k, v in flops.items()},
+        hbm_bytes=_positive(dev["hbm_bytes"], "device.hbm_bytes", source, int),
+        hbm_bandwidth=_positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", source))
+
+    links_raw = data["links"]
+    if not isinstance(links_raw, dict) or not links_raw:
+        raise MeshConfigError("must define at least one link", source=source, key="links")
+    links = {}
+    for lname, ldata in links_raw.items():
+        _check_keys(ldata, _LINK_KEYS, f"links.{lname}", source)
+        for k in _LINK_KEYS:
+            if k not in ldata:
+                raise MeshConfigError("missing key", source=source, key=f"links.{lname}.{k}")
+        latency = ldata["latency"]
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise MeshConfigError(f"must be a non-negative number, got {latency!r}",
+                                  source=source, key=f"links.{lname}.latency")
+        links[lname] = Link(lname, _positive(ldata["bandwidth"], f"links.{lname}.bandwidth", source),
+                            float(latency))
+
+    topo = data["topology"]
+    _check_keys(topo, _TOPOLOGY_KEYS, "topology", source)
+    for k in _TOPOLOGY_KEYS:
+        if k not in topo:
+            raise MeshConfigError("missing key", source=source, key=f"topology.{k}")
+    per_node = _positive(topo["devices_per_node"], "topology.devices_per_node", source, int)
+    nodes = _positive(topo["nodes"], "topology.nodes", source, int)
+    link_of = {}
+    for k in ("intra_node_link", "inter_node_link"):
+        if topo[k] not in links:
+            raise MeshConfigError(f"names link {topo[k]!r}, which is not under [links]; "
+                                  f"defined: {', '.join(links)}", source=source, key=f"topology.{k}")
+        link_of[k] = links[topo[k]]
+
+    raw_axes = data["axes"]
+    if axes is not None:
+        raw_axes = [{"name": k, "size": v} for k, v in axes.items()]
+    if not isinstance(raw_axes, list) or not raw_axes:
+        raise MeshConfigError("must be a non-empty list of {name, size}", source=source, key="axes")
+    names, sizes = [], []
+    for i, a in enumerate(raw_axes):
+        _check_keys(a, _AXIS_KEYS, f"axes[{i}]", source)
+        if "name" not in a or "size" not in a:
+            raise MeshConfigError("needs both 'name' and 'size'", source=source, key=f"axes[{i}]")
+        if not isinstance(a["name"], str) or not a["name"].isidentifier():
+            raise MeshConfigError(f"axis name must be an identifier, got {a['name']!r}",
+                                  source=source, key=f"axes[{i}].name")
+        if a["name"] in names:
+            raise MeshConfigError(f"axis {a['name']!r} is named twice", source=source, key=f"axes[{i}].name")
+        names.append(a["name"])
+        sizes.append(_positive(a["size"], f"axes[{i}].size", source, int))
+    total = per_node * nodes
+    if math.prod(sizes) != total:
+        raise MeshConfigError(
+            f"axis sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)}, but the topology has "
+            f"{nodes} node(s) x {per_node} devices = {total}; make the sizes multiply to {total}",
+            source=source, key="axes")
+    flat = tuple(Axis(f"_d{i}", n, link_of["intra_node_link"]) for i, n in enumerate((nodes, per_node)))
+    base = MeshSpec(name=str(data["name"]), device=device, axes=flat, devices_per_node=per_node,
+                    intra_node_link=link_of["intra_node_link"], inter_node_link=link_of["inter_node_link"],
+                    source=str(data.get("source", "")))
+    return base.with_axes(dict(zip(names, sizes)))
+
+
+def preset_names() -> list[str]:
+    """Names of the mesh presets shipped with the package."""
+    root = importlib.resources.files("shardplan.meshes")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int] | None = None) -> MeshSpec:
+    """Load a preset by name or a mesh file by path; ``axes`` overrides its logical mesh axes.
+
+    >>> load_mesh("a100-128x8").axis_sizes
+    (128, 8)
+    """
+    if isinstance(name_or_path, MeshSpec):
+        if axes is None:
+            return name_or_path
+        raise MeshConfigError("pass a preset name or a path to override axes, not a MeshSpec")
+    text_source = str(name_or_path)
+    if os.path.exists(text_source):
+        try:
+            with open(text_source, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise MeshConfigError(f"is not valid TOML: {e}", source=text_source) from None
+        except OSError as e:
+            raise MeshConfigError(f"cannot be read: {e.strerror}", source=text_source) from None
+        return mesh_from_dict(data, source=text_source, axes=axes)
+    names = preset_names()
+    if text_source not in names:
+        raise MeshConfigError(f"is neither a mesh file nor a preset; presets: {', '.join(names)}",
+                              source=repr(text_source))
+    resource = importlib.resources.files("shardplan.meshes") / f"{text_source}.toml"
+    data = tomllib.loads(resource.read_text())
+    return mesh_from_dict(data, source=f"preset {text_source}", axes=axes)
+
+
+def mesh_from_jax(mesh: jax.sharding.Mesh, hardware: str | MeshSpec = "cpu-8") -> MeshSpec:
+    """Price a ``jax.sharding.Mesh`` on the hardware of a preset (default ``cpu-8``), keeping its axes."""
+    base = hardware if isinstance(hardware, MeshSpec) else load_mesh(hardware)
+    return base.with_axes(dict(mesh.shape))

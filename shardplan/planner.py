@@ -1,0 +1,168 @@
+"""From a traced step to a :class:`Plan`: graph, candidate strategies, simplification, ILP."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+
+from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
+from shardplan.errors import InfeasibleBudgetError
+from shardplan.graph import Graph, build_graph
+from shardplan.mesh import MeshSpec
+from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
+from shardplan.rules import apply_rule
+from shardplan.simplify import expand, simplify
+from shardplan.sizes import format_bytes
+from shardplan.solver import SolverStats, peak_memory, solve
+from shardplan.strategies import Enumerator
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    time_limit: float = 10.0          # seconds for each ILP solve
+    relative_gap: float = 0.005       # stop once within this fraction of the best bound
+    num_points: int = 12              # memory checkpoints taken from the liveness schedule
+
+
+def role_of(path: str, arg_index: int) -> str:
+    """A readable role for an input leaf from its pytree path."""
+    low = path.lower()
+    if "opt_state" in low or low.startswith("[0]") and ("mu" in low or "nu" in low):
+        return "opt_state"
+    if "param" in low:
+        return "params"
+    return "batch" if arg_index > 0 else "state"
+
+
+def graph_fingerprint(g: Graph) -> str:
+    return fingerprint([(t.shape, t.dtype.name) for t in g.tensors])
+
+
+def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[int], mesh: MeshSpec,
+               budget_bytes: int, *, donated: Sequence[bool] = (), options: PlannerOptions = PlannerOptions(),
+               in_tree=None, out_tree=None) -> tuple[Plan, Graph]:
+    """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (positional arg of each in ``input_args``)."""
+    graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points)
+    donated_outputs = _donated_outputs(graph, donated)
+    model = CostModel(mesh)
+    enum = Enumerator(graph, model, donated_outputs)
+    problem = enum.build()
+    reduced = simplify(problem)
+
+    start = time.perf_counter()
+    # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
+    sol = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit,
+                relative_gap=options.relative_gap)
+    choice = expand(reduced, sol.choice, len(problem.nodes))
+    if peak_memory(problem, choice) > budget_bytes:
+        sol = solve(reduced.problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
+                    relative_gap=options.relative_gap)
+        if sol is None:
+            _raise_infeasible(graph, enum, reduced, budget_bytes, options)
+        choice = expand(reduced, sol.choice, len(problem.nodes))
+    stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+    plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree)
+    return plan, graph
+
+
+def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
+    """Outputs that XLA can write into a donated input buffer of the same shape and dtype."""
+    free: dict[tuple, int] = {}
+    for t, d in zip(graph.inputs, donated):
+        if d:
+            key = (graph.tensors[t].shape, graph.tensors[t].dtype)
+            free[key] = free.get(key, 0) + 1
+    out = set()
+    for t in graph.outputs:
+        if t is None:
+            continue
+        key = (graph.tensors[t].shape, graph.tensors[t].dtype)
+        if free.get(key):
+            free[key] -= 1
+            out.add(t)
+    return frozenset(out)
+
+
+def _raise_infeasible(graph, enum, reduced, budget_bytes, options):
+    best = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True)
+    need = int(best.stats.objective) if best is not None else None
+    largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
+                     key=lambda x: -x[1])[:5]
+    listing = ", ".join(f"{n} ({format_bytes(b)})" for n, b in largest)
+    raise InfeasibleBudgetError(
+        f"no plan fits memory_budget={format_bytes(budget_bytes)} per device on mesh "
+        f"{enum.m.mesh.name} {dict(zip(enum.axes, enum.sizes))}; the smallest budget that works is "
+        f"about {format_bytes(need) if need else 'unknown'}. Largest inputs: {listing}. Raise the "
+        f"budget, use more devices, or shrink the batch.",
+        budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest)
+
+
+def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
+               input_args, in_tree, out_tree) -> Plan:
+    model = enum.m
+    spec_of: dict[int, Spec] = {}
+    for node, i in zip(problem.nodes, choice):
+        if node.kind == "group":
+            for t in enum.groups[node.key]:
+                spec_of[t] = enum.tensor_spec_from(graph, t, node.options[i])
+    for t in graph.tensors:
+        spec_of.setdefault(t.id, ((),) * t.rank)
+
+    cost_of = {t.id: 0.0 for t in graph.tensors}
+    by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
+    bytes_by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
+    by_axis = dict.fromkeys(mesh.axis_names, 0.0)
+
+    def account(comms, mult, tid):
+        for c in comms:
+            s = model.collective_time(c) * mult
+            by_kind[c.kind] += s
+            bytes_by_kind[c.kind] += c.nbytes * mult
+            for a in c.axes:
+                by_axis[a] += s / len(c.axes)
+            cost_of[tid] += s
+
+    for e in graph.edges:
+        account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
+    compute = 0.0
+    dot_operands = {}
+    for k, dot in enumerate(graph.dots):
+        node = problem.nodes[problem.node_of_dot[k]]
+        option = node.options[choice[problem.node_of_dot[k]]]
+        account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out)
+        t = enum.dot_compute(dot, option) * dot.mult
+        compute += t
+        cost_of[dot.out] += t
+        req_l, req_r, _, _, _ = enum.dot_specs(dot, option)
+        dot_operands[dot.out] = (req_l, req_r)
+    for t in graph.tensors:
+        if t.traffic and t.rank:
+            s = t.mult * t.traffic * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \
+                / mesh.device.hbm_bandwidth
+            compute += s
+            cost_of[t.id] += s
+
+    def row(tid, role, name=None):
+        t = graph.tensors[tid]
+        return TensorPlan(tid, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
+                          model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
+
+    inputs = tuple(row(t, role_of(graph.tensors[t].name, a)) for t, a in zip(graph.inputs, input_args))
+    by_role: dict[str, float] = {}
+    for r in inputs:
+        by_role[r.role] = by_role.get(r.role, 0.0) + r.bytes_per_device
+    outputs = tuple(row(t, "output", f"out{i}") if t is not None else
+                    TensorPlan(-1, f"out{i}", "output", (), "float32", (), 0.0, 0.0) for i, t in enumerate(graph.outputs))
+    seen = set(graph.inputs) | {t for t in graph.outputs if t is not None}
+    acts = tuple(row(t.id, "activation") for t in graph.tensors if t.rank and t.id not in seen)
+    cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
+                         comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
+                         memory_bytes_by_role=by_role)
+    return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
+                outputs=outputs, activations=acts, dot_operands=dot_operands, cost=cost, solver=stats,
+                fingerprint=graph_fingerprint(graph), warnings=tuple(graph.warnings),
+                in_tree=in_tree, out_tree=out_tree)
+
+

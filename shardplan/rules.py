@@ -1,0 +1,242 @@
+"""How each primitive relates the shardings of its operands and results.
+
+Every rule adds to the graph either unions (same-shape elementwise ops: one sharding for all),
+a :class:`~shardplan.graph.DotOp`, or :class:`~shardplan.graph.PairEdge` relations whose cost the
+planner prices. A primitive without a rule and not elementwise falls back to a safe choice: its
+operands are gathered to replicated and its result is sliced from that, with one warning naming
+the primitive and the source line.
+"""
+
+from __future__ import annotations
+
+from shardplan.graph import DotOp, Graph, PairEdge, _ELEMENTWISE_PARAMS, source_of
+
+Spec = tuple[tuple[str, ...], ...]
+
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+               "reduce_xor", "reduce_precision_sum"}
+_SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+
+
+def _clear(spec: Spec, dims) -> Spec:
+    return tuple(() if d in dims else axes for d, axes in enumerate(spec))
+
+
+def _rank(g: Graph, t) -> int:
+    return g.tensors[t].rank if t is not None else 0
+
+
+def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
+    prim = eqn.primitive.name
+    p = eqn.params
+    out = outs[0] if outs else None
+    operands = [t for t in ins if t is not None and _rank(g, t) > 0]
+    shape_out = g.tensors[out].shape if out is not None else ()
+
+    def edge(src, dst, required=None, produced=None):
+        if src is not None and dst is not None:
+            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced))
+
+    if prim == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lhs, rhs = ins
+        lr, rr = _rank(g, lhs), _rank(g, rhs)
+        dims = [(l, r, k) for k, (l, r) in enumerate(zip(lb, rb))]
+        lfree = [d for d in range(lr) if d not in lc and d not in lb]
+        rfree = [d for d in range(rr) if d not in rc and d not in rb]
+        k = len(lb)
+        dims += [(d, None, k + i) for i, d in enumerate(lfree)]
+        dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
+        dims += [(l, r, None) for l, r in zip(lc, rc)]
+        g.dot_at[id(eqn)] = len(g.dots)
+        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn)))
+        return
+
+    if prim in _REDUCTIONS:
+        axes = set(p["axes"])
+        kept = [d for d in range(_rank(g, ins[0])) if d not in axes]
+
+        def produced(spec, kept=kept, axes=axes):
+            partial = tuple(a for d in axes for a in spec[d])
+            return tuple(spec[d] for d in kept), partial
+        edge(ins[0], out, produced=produced)
+        return
+
+    if prim in ("argmax", "argmin"):
+        axis = p["axes"][0]
+        edge(ins[0], out, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+        return
+
+    if prim == "broadcast_in_dim":
+        bd = p["broadcast_dimensions"]
+        shape_in = g.tensors[ins[0]].shape if ins[0] is not None else ()
+
+        def required(s, bd=bd, shape_in=shape_in):
+            return tuple(s[o] if shape_in[i] == shape_out[o] else () for i, o in enumerate(bd))
+        edge(ins[0], out, required=required)
+        return
+
+    if prim == "transpose":
+        perm = p["permutation"]
+        inv = [perm.index(d) for d in range(len(perm))]
+        edge(ins[0], out, required=lambda s, inv=inv: tuple(s[inv[d]] for d in range(len(inv))))
+        return
+
+    if prim in ("reshape", "squeeze", "expand_dims"):
+        shape_in = g.tensors[ins[0]].shape
+        edge(ins[0], out, required=_reshape_rule(shape_in, shape_out))
+        return
+
+    if prim in ("slice", "pad", "dynamic_slice", "rev") or prim in _SCANS_ALONG_AXIS or prim == "sort":
+        src = ins[0]
+        shape_in = g.tensors[src].shape
+        if prim == "rev":
+            changed = set(p["dimensions"])
+        elif prim in _SCANS_ALONG_AXIS:
+            changed = {p["axis"]}
+        elif prim == "sort":
+            changed = {p["dimension"]}
+        else:
+            changed = {d for d in range(len(shape_in)) if shape_in[d] != shape_out[d]}
+        for o in outs if prim == "sort" else [out]:
+            for t in (ins if prim == "sort" else [src]):
+                edge(t, o, required=lambda s, changed=changed: _clear(s, changed))
+        return
+
+    if prim in ("concatenate", "split"):
+        dim = p["dimension"] if prim == "concatenate" else p["axis"]
+        pairs = [(t, out) for t in ins] if prim == "concatenate" else [(ins[0], o) for o in outs]
+        for src, dst in pairs:
+            edge(src, dst, required=lambda s, dim=dim: _clear(s, {dim}))
+        return
+
+    if prim == "dynamic_update_slice":
+        operand, update = ins[0], ins[1]
+        g.union(operand, out)
+        shape_up = g.tensors[update].shape
+        changed = {d for d in range(len(shape_out)) if shape_up[d] != shape_out[d]}
+        edge(update, out, required=lambda s, changed=changed: _clear(s, changed))
+        return
+
+    if prim == "gather":
+        _gather_rule(g, eqn, ins, out, edge)
+        return
+
+    if prim in ("scatter-add", "scatter_add"):
+        _scatter_add_rule(g, eqn, ins, out, edge)
+        return
+
+    if prim == "iota" or not operands:
+        return
+
+    # Elementwise, where an operand may also broadcast along its size-1 dims.
+    if len(outs) == 1 and set(p) <= _ELEMENTWISE_PARAMS and all(
+            len(g.tensors[t].shape) == len(shape_out)
+            and all(a in (b, 1) for a, b in zip(g.tensors[t].shape, shape_out)) for t in operands):
+        for t in operands:
+            shape_in = g.tensors[t].shape
+            if shape_in == shape_out:
+                g.union(t, out)
+            else:
+                ones = {d for d, n in enumerate(shape_in) if n != shape_out[d]}
+                edge(t, out, required=lambda s, ones=ones: _clear(s, ones))
+        return
+
+    g.warn_once(prim, f"shardplan: no sharding rule for primitive {prim!r} at {source_of(eqn)}; "
+                      "its operands are gathered to replicated (correct, maybe slow)")
+    for o in outs:
+        for t in operands:
+            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _reshape_rule(shape_in, shape_out):
+    """Map an output spec back to the input through groups of dims whose sizes multiply equally.
+
+    An output dim's sharding carries over to the major (first) input dim of its group when that
+    dim's size divides evenly; anything else must be gathered first.
+    """
+    groups, i, j = [], 0, 0
+    while i < len(shape_in) or j < len(shape_out):
+        gi, gj = [i] if i < len(shape_in) else [], [j] if j < len(shape_out) else []
+        pi = shape_in[i] if i < len(shape_in) else 1
+        pj = shape_out[j] if j < len(shape_out) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while pi != pj:
+            if pi < pj and i < len(shape_in):
+                pi *= shape_in[i]; gi.append(i); i += 1
+            elif j < len(shape_out):
+                pj *= shape_out[j]; gj.append(j); j += 1
+            else:
+                break
+        groups.append((gi, gj))
+
+    def required(s):
+        req = [()] * len(shape_in)
+        for gi, gj in groups:
+            major_out = next((o for o in gj if shape_out[o] != 1), None)
+            major_in = next((d for d in gi if shape_in[d] != 1), None)
+            if major_out is None or major_in is None:
+                continue
+            # only the major output dim of a group maps cleanly, and only onto the major input dim
+            if any(s[o] for o in gj if o != major_out):
+                continue
+            req[major_in] = s[major_out]
+        return tuple(req)
+    return required
+
+
+def _gather_rule(g, eqn, ins, out, edge):
+    dn = eqn.params["dimension_numbers"]
+    slice_sizes = eqn.params["slice_sizes"]
+    operand, indices = ins[0], ins[1]
+    op_shape = g.tensors[operand].shape
+    idx_rank = _rank(g, indices)
+    out_rank = _rank(g, out)
+    offset_dims = list(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset_dims]
+    idx_batch = list(range(idx_rank - 1))      # the last indices dim is the index vector
+    out_of_idx = dict(zip(idx_batch, batch_out))
+    op_batching = list(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = list(getattr(dn, "start_indices_batching_dims", ()))
+    window = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching]
+    out_of_op = dict(zip(window, offset_dims))
+    for od, idd in zip(op_batching, idx_batching):
+        out_of_op[od] = out_of_idx[idd]
+
+    def operand_required(s):
+        return tuple(s[out_of_op[d]] if d in out_of_op and (d in op_batching or slice_sizes[d] == op_shape[d])
+                     else () for d in range(len(op_shape)))
+
+    def indices_required(s):
+        return tuple(s[out_of_idx[d]] if d in out_of_idx else () for d in range(idx_rank))
+    edge(operand, out, required=operand_required)
+    edge(indices, out, required=indices_required)
+
+
+def _scatter_add_rule(g, eqn, ins, out, edge):
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    g.union(operand, out)
+    up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, out), _rank(g, indices)
+    window_up = list(dn.update_window_dims)
+    scatter_up = [d for d in range(up_rank) if d not in window_up]
+    op_batching = list(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
+    window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
+    up_of_op = dict(zip(window_op, window_up))
+    idx_batch = list(range(idx_rank - 1))
+    up_of_idx = dict(zip(idx_batch, scatter_up))
+    for od, idd in zip(op_batching, idx_batching):
+        up_of_op[od] = up_of_idx[idd]
+    op_shape, up_shape = g.tensors[out].shape, g.tensors[updates].shape
+
+    def produced(s):
+        spec = tuple(s[up_of_op[d]] if d in up_of_op and op_shape[d] == up_shape[up_of_op[d]] else ()
+                     for d in range(op_rank))
+        used = {a for axes in spec for a in axes}
+        partial = tuple(a for d in scatter_up for a in s[d] if a not in used)
+        return spec, partial
+    edge(updates, out, produced=produced)
+    if indices is not None and idx_rank:
+        edge(indices, updates, required=lambda s: tuple(s[up_of_idx[d]] if d in up_of_idx else ()
+                                                        for d in range(idx_rank)))

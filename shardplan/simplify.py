@@ -1,0 +1,153 @@
+"""Exact simplification of a :class:`~shardplan.strategies.Problem` before the ILP.
+
+A node that holds no memory at any checkpoint and touches at most two other nodes can be
+eliminated without changing the optimum (variable elimination, as in dynamic programming over
+a chain): with one neighbour its best option per neighbour option folds into that neighbour's
+cost; with two, into the table between them. Nodes with a single option fold into their
+neighbours. :func:`expand` restores the eliminated choices from the recorded argmins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from shardplan.strategies import Node, Problem
+
+
+@dataclasses.dataclass
+class Reduced:
+    problem: Problem                 # the smaller problem (nodes renumbered)
+    kept: list[int]                  # original index of each kept node
+    steps: list[tuple]               # elimination records, in order
+
+
+def _table(edges, a, b) -> np.ndarray:
+    return edges[(a, b)] if a < b else edges[(b, a)].T
+
+
+def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
+    nodes = [dataclasses.replace(n, cost=n.cost.astype(float).copy()) for n in problem.nodes]
+    edges = {k: v.astype(float) for k, v in problem.edges.items()}
+    adj: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
+    for a, b in edges:
+        adj[a].add(b)
+        adj[b].add(a)
+    alive = set(range(len(nodes)))
+    steps: list[tuple] = []
+    memless = [not n.memory.any() for n in nodes]
+
+    def set_edge(a, b, table):
+        if a < b:
+            edges[(a, b)] = edges.get((a, b), 0) + table
+        else:
+            edges[(b, a)] = edges.get((b, a), 0) + table.T
+        adj[a].add(b)
+        adj[b].add(a)
+
+    def drop(n):
+        for m in list(adj[n]):
+            edges.pop((min(n, m), max(n, m)), None)
+            adj[m].discard(n)
+        adj[n].clear()
+        alive.discard(n)
+
+    changed = True
+    while changed:
+        changed = False
+        for n in sorted(alive):
+            if n not in alive:
+                continue
+            nbrs = sorted(adj[n])
+            k = len(nodes[n].options)
+            if k == 1 and memless[n] is False:
+                # A fixed choice still counts its memory; fold only its edges.
+                for m in nbrs:
+                    nodes[m].cost += _table(edges, m, n)[:, 0]
+                    edges.pop((min(n, m), max(n, m)))
+                    adj[m].discard(n)
+                adj[n].clear()
+                continue
+            if not memless[n] or len(nbrs) > 2:
+                continue
+            cost = nodes[n].cost
+            if not nbrs:
+                steps.append(("free", n, int(np.argmin(cost))))
+                drop(n)
+                changed = True
+            elif len(nbrs) == 1:
+                m = nbrs[0]
+                total = cost[:, None] + _table(edges, n, m)          # [k, |m|]
+                steps.append(("leaf", n, m, np.argmin(total, axis=0)))
+                nodes[m].cost += total.min(axis=0)
+                drop(n)
+                changed = True
+            else:
+                a, c = nbrs
+                ka, kc = len(nodes[a].options), len(nodes[c].options)
+                if ka * kc > max(max_table, k * (ka + kc)):
+                    continue
+                t1, t2 = _table(edges, n, a), _table(edges, n, c)
+                total = cost[:, None, None] + t1[:, :, None] + t2[:, None, :]   # [k, ka, kc]
+                steps.append(("chain", n, a, c, np.argmin(total, axis=0)))
+                drop(n)
+                set_edge(a, c, total.min(axis=0))
+                changed = True
+    kept = sorted(alive)
+    _prune_dominated(nodes, edges, adj, kept, steps)
+    index = {old: new for new, old in enumerate(kept)}
+    new_nodes = [nodes[i] for i in kept]
+    new_edges = {}
+    for (a, b), t in edges.items():
+        if a in index and b in index:
+            new_edges[(index[a], index[b])] = t
+    reduced = Problem(new_nodes, new_edges, problem.base_memory, {}, {})
+    return Reduced(reduced, kept, steps)
+
+
+def _prune_dominated(nodes, edges, adj, kept, steps) -> None:
+    """Drop options no better than another option of the same node in every respect (exact)."""
+    for n in kept:
+        node = nodes[n]
+        k = len(node.options)
+        if k < 2:
+            continue
+        nbrs = sorted(adj[n])
+        # One row per option: its cost, memory at each checkpoint and every neighbour table row.
+        rows = np.concatenate([node.cost[:, None], node.memory.T] + [_table(edges, n, m) for m in nbrs], axis=1)
+        order = np.lexsort(rows.T[::-1])
+        keep: list[int] = []
+        for i in order:
+            if not any(np.all(rows[j] <= rows[i]) for j in keep):
+                keep.append(int(i))
+        if len(keep) == k:
+            continue
+        keep.sort()
+        steps.append(("prune", n, keep))
+        nodes[n] = dataclasses.replace(node, options=[node.options[i] for i in keep], cost=node.cost[keep],
+                                       memory=node.memory[:, keep])
+        for m in nbrs:
+            if n < m:
+                edges[(n, m)] = edges[(n, m)][keep, :]
+            else:
+                edges[(m, n)] = edges[(m, n)][:, keep]
+
+
+def expand(reduced: Reduced, choice: list[int], num_nodes: int) -> list[int]:
+    """Full per-node choice from the reduced problem's choice."""
+    full: list[int | None] = [None] * num_nodes
+    for new, old in enumerate(reduced.kept):
+        full[old] = choice[new]
+    for step in reversed(reduced.steps):
+        if step[0] == "prune":
+            full[step[1]] = step[2][full[step[1]]]
+        elif step[0] == "free":
+            full[step[1]] = step[2]
+        elif step[0] == "leaf":
+            _, n, m, arg = step
+            full[n] = int(arg[full[m]])
+        else:
+            _, n, a, c, arg = step
+            full[n] = int(arg[full[a], full[c]])
+    return [int(c) for c in full]

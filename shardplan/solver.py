@@ -1,0 +1,154 @@
+"""The ILP: one option per node, minimising compute + collectives, under a per-device memory budget.
+
+Solved with OR-Tools CP-SAT. Each node has one boolean per option (exactly one true); each pair of
+nodes with a cost table gets a boolean per pair of options, tied to both nodes' choices (Alpa's
+edge formulation); every memory checkpoint is a linear constraint. Costs are integers in units of
+``TIME_UNIT`` seconds, memory in units chosen so the budget fits comfortably in 64 bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from shardplan.strategies import Problem
+
+TIME_UNIT = 1e-10   # seconds per objective unit: 0.1 ns keeps microsecond costs distinct
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverStats:
+    status: str
+    objective: float          # seconds
+    bound: float              # seconds, a lower bound on the optimum
+    gap: float                # (objective - bound) / objective
+    wall_time: float          # seconds
+    num_variables: int
+    num_constraints: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    choice: list[int]         # option index per node
+    stats: SolverStats
+    peak_memory: float        # bytes per device at the fullest checkpoint
+
+
+def _int(values: np.ndarray, unit: float) -> list[int]:
+    return [int(round(v / unit)) for v in values]
+
+
+def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 30.0,
+          minimize_memory: bool = False, workers: int = 2,
+          relative_gap: float = 0.0) -> Solution | None:
+    """Solve; ``None`` when no assignment fits ``budget_bytes``.
+
+    With ``minimize_memory`` the objective is the peak memory instead (used to report the
+    smallest budget that works).
+    """
+    start = time.perf_counter()
+    model = cp_model.CpModel()
+    x = []
+    for n, node in enumerate(problem.nodes):
+        vs = [model.NewBoolVar(f"n{n}_{i}") for i in range(len(node.options))]
+        model.AddExactlyOne(vs)
+        x.append(vs)
+    objective = []
+    for n, node in enumerate(problem.nodes):
+        lo = float(node.cost.min())
+        for v, c in zip(x[n], _int(node.cost - lo, TIME_UNIT)):
+            if c:
+                objective.append(c * v)
+    offset = sum(float(node.cost.min()) for node in problem.nodes)
+    for (a, b), table in problem.edges.items():
+        lo = float(table.min())
+        offset += lo
+        table = table - lo
+        if not table.any():
+            continue
+        # Split off the parts that depend on one side only; the rest needs product variables.
+        row = table.min(axis=1)
+        col = (table - row[:, None]).min(axis=0)
+        rest = table - row[:, None] - col[None, :]
+        for v, c in zip(x[a], _int(row, TIME_UNIT)):
+            if c:
+                objective.append(c * v)
+        for v, c in zip(x[b], _int(col, TIME_UNIT)):
+            if c:
+                objective.append(c * v)
+        ints = np.rint(rest / TIME_UNIT).astype(np.int64)
+        if not ints.any():
+            continue
+        # Full product with marginal constraints: tight LP relaxation (exact on trees).
+        z = [[model.NewBoolVar("") for _ in range(ints.shape[1])] for _ in range(ints.shape[0])]
+        for i in range(ints.shape[0]):
+            model.Add(sum(z[i]) == x[a][i])
+        for j in range(ints.shape[1]):
+            model.Add(sum(z[i][j] for i in range(ints.shape[0])) == x[b][j])
+        for i, j in zip(*np.nonzero(ints)):
+            objective.append(int(ints[i, j]) * z[i][j])
+
+    peak = None
+    mem_unit = max(1.0, float(max((node.memory.max() for node in problem.nodes), default=1.0)) / 1e6)
+    if problem.base_memory.size:
+        exprs = []
+        for p in range(len(problem.base_memory)):
+            terms = []
+            for n, node in enumerate(problem.nodes):
+                row = node.memory[p]
+                lo = float(row.min())
+                for v, c in zip(x[n], _int(row - lo, mem_unit)):
+                    if c:
+                        terms.append(c * v)
+            fixed = (problem.base_memory[p] + sum(float(node.memory[p].min()) for node in problem.nodes))
+            exprs.append((terms, fixed))
+        if minimize_memory:
+            peak = model.NewIntVar(0, 2**62, "peak")
+            for terms, fixed in exprs:
+                model.Add(sum(terms) + int(np.ceil(fixed / mem_unit)) <= peak)
+        elif budget_bytes is not None:
+            for terms, fixed in exprs:
+                model.Add(sum(terms) <= int((budget_bytes - fixed) // mem_unit))
+
+    if minimize_memory:
+        model.Minimize(peak)
+    else:
+        model.Minimize(sum(objective))
+    for n, node in enumerate(problem.nodes):        # start from the cheapest-alone option
+        best = int(np.argmin(node.cost))
+        for i, v in enumerate(x[n]):
+            model.AddHint(v, i == best)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit
+    solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True   # deterministic with several workers
+    solver.parameters.random_seed = 0
+    solver.parameters.relative_gap_limit = relative_gap
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    choice = [next(i for i, v in enumerate(vs) if solver.Value(v)) for vs in x]
+    proto = model.Proto()
+    if minimize_memory:
+        obj = bound = float(solver.ObjectiveValue()) * mem_unit
+    else:
+        obj = offset + solver.ObjectiveValue() * TIME_UNIT
+        bound = offset + solver.BestObjectiveBound() * TIME_UNIT
+    stats = SolverStats(
+        status=solver.StatusName(status), objective=obj, bound=bound,
+        gap=0.0 if obj <= 0 else max(0.0, (obj - bound) / obj),
+        wall_time=time.perf_counter() - start,
+        num_variables=len(proto.variables), num_constraints=len(proto.constraints))
+    return Solution(choice, stats, peak_memory(problem, choice))
+
+
+def peak_memory(problem: Problem, choice: list[int]) -> float:
+    """Bytes per device at the fullest checkpoint for one assignment."""
+    totals = problem.base_memory.copy()
+    for node, i in zip(problem.nodes, choice):
+        totals = totals + node.memory[:, i]
+    return float(totals.max()) if totals.size else 0.0

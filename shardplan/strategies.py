@@ -1,0 +1,262 @@
+"""Candidate shardings for every group and ``dot_general``, and what each costs.
+
+A group's option maps each mesh axis to at most one of its dimension classes; a dot's option
+maps each mesh axis to at most one of its dimensions (batch, free or contracting). The
+:class:`Problem` holds, per node, the options with their linear cost and memory, and per pair
+of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import numpy as np
+
+from shardplan.cost import Comm, CostModel, Spec
+from shardplan.graph import Graph
+
+
+@dataclasses.dataclass
+class Node:
+    """One decision: a group of tensors (``kind='group'``) or a dot (``kind='dot'``)."""
+
+    kind: str
+    key: int                       # group root tensor id, or index into graph.dots
+    options: list[tuple]           # group: per option, class -> axes; dot: per option, axes per dot dim
+    cost: np.ndarray               # seconds per option (compute, and collectives inside the node)
+    memory: np.ndarray             # [points, options] bytes per device of live tensors
+    label: str = ""
+
+
+@dataclasses.dataclass
+class Problem:
+    nodes: list[Node]
+    edges: dict[tuple[int, int], np.ndarray]   # (node a, node b) -> [options a, options b] seconds
+    base_memory: np.ndarray                     # [points] bytes that no option changes
+    node_of_group: dict[int, int]
+    node_of_dot: dict[int, int]
+
+
+def _assignments(choices_per_axis: list[list[int]]):
+    """Every way to give each mesh axis one of its choices (-1: unused)."""
+    return itertools.product(*[[-1] + c for c in choices_per_axis])
+
+
+class Enumerator:
+    """Turns a :class:`Graph` and a :class:`CostModel` into a :class:`Problem`."""
+
+    def __init__(self, graph: Graph, model: CostModel, donated_outputs: frozenset[int] = frozenset()):
+        self.g = graph
+        self.m = model
+        self.axes = model.mesh.axis_names
+        self.sizes = model.mesh.axis_sizes
+        self.groups = graph.groups()
+        self.pinned = graph.pinned_classes()
+        self.donated_outputs = donated_outputs
+        self._spec_cache: dict[tuple[int, int], Spec] = {}
+
+    # -- options ---------------------------------------------------------------------------------
+    def group_classes(self, root: int) -> list[int]:
+        seen = []
+        for t in self.groups[root]:
+            for d in range(self.g.tensors[t].rank):
+                c = self.g.dim_class(t, d)
+                if c not in seen:
+                    seen.append(c)
+        return seen
+
+    def group_options(self, root: int) -> list[dict[int, tuple[str, ...]]]:
+        classes = self.group_classes(root)
+        sizes: dict[int, set[int]] = {c: set() for c in classes}
+        repeated = set()
+        for t in self.groups[root]:
+            ts = self.g.tensors[t]
+            cls = [self.g.dim_class(t, d) for d in range(ts.rank)]
+            repeated.update(c for c in cls if cls.count(c) > 1)
+            for c, n in zip(cls, ts.shape):
+                sizes[c].add(n)
+        usable = [c for c in classes if c not in self.pinned and c not in repeated]
+        per_axis = [[c for c in usable if all(n % size == 0 and n >= size for n in sizes[c])] if size > 1 else []
+                    for size in self.sizes]
+        options = []
+        for pick in _assignments(per_axis):
+            option: dict[int, tuple[str, ...]] = {}
+            for axis, c in zip(self.axes, pick):
+                if c >= 0:
+                    option[c] = option.get(c, ()) + (axis,)
+            if all(n % self.m.shards(axes) == 0 for c, axes in option.items() for n in sizes[c]):
+                options.append(option)
+        return options
+
+    def dot_options(self, dot_index: int) -> list[tuple[tuple[str, ...], ...]]:
+        dot = self.g.dots[dot_index]
+        lhs, rhs, out = (self.g.tensors[t] if t is not None else None for t in (dot.lhs, dot.rhs, dot.out))
+        dim_size = []
+        for l, r, o in dot.dims:
+            dim_size.append(lhs.shape[l] if l is not None else rhs.shape[r])
+        per_axis = [[i for i, n in enumerate(dim_size) if n % size == 0 and n >= size] if size > 1 else []
+                    for size in self.sizes]
+        options = []
+        for pick in _assignments(per_axis):
+            option = [()] * len(dot.dims)
+            for axis, i in zip(self.axes, pick):
+                if i >= 0:
+                    option[i] = option[i] + (axis,)
+            if all(dim_size[i] % self.m.shards(a) == 0 for i, a in enumerate(option) if a):
+                options.append(tuple(option))
+        return options
+
+    @staticmethod
+    def tensor_spec_from(graph: Graph, tid: int, option: dict[int, tuple[str, ...]]) -> Spec:
+        t = graph.tensors[tid]
+        return tuple(option.get(graph.dim_class(tid, d), ()) for d in range(t.rank))
+
+    @staticmethod
+    def dot_specs(dot, option) -> tuple[Spec, Spec, Spec, tuple[str, ...], tuple[int, int, int]]:
+        """Required lhs and rhs specs, produced out spec and its partial-sum axes for one dot option."""
+        ranks = [0, 0, 0]
+        for l, r, o in dot.dims:
+            for k, d in enumerate((l, r, o)):
+                if d is not None:
+                    ranks[k] = max(ranks[k], d + 1)
+        specs = [[()] * n for n in ranks]
+        partial: tuple[str, ...] = ()
+        for (l, r, o), axes in zip(dot.dims, option):
+            for k, d in enumerate((l, r, o)):
+                if d is not None:
+                    specs[k][d] = axes
+            if o is None:
+                partial += axes
+        return tuple(specs[0]), tuple(specs[1]), tuple(specs[2]), partial, tuple(ranks)
+
+    # -- costs -----------------------------------------------------------------------------------
+    @functools.lru_cache(maxsize=None)
+    def _bytes(self, tid: int, spec: Spec) -> float:
+        t = self.g.tensors[tid]
+        return self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec)
+
+    @functools.lru_cache(maxsize=None)
+    def reshard_time(self, tid: int, src: Spec, dst: Spec) -> float:
+        t = self.g.tensors[tid]
+        return self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
+
+    def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[Comm]:
+        if edge.required is not None:
+            t = self.g.tensors[edge.src]
+            return self.m.reshard(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec))
+        produced, partial = edge.produced(src_spec)
+        t = self.g.tensors[edge.dst]
+        return self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
+
+    def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[Comm]:
+        req_l, req_r, prod, partial, _ = self.dot_specs(dot, option)
+        comms = []
+        for tid, have, need in ((dot.lhs, lhs_spec, req_l), (dot.rhs, rhs_spec, req_r)):
+            t = self.g.tensors[tid]
+            comms += self.m.reshard(t.shape, t.dtype.itemsize, have, need)
+        t = self.g.tensors[dot.out]
+        return comms + self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec)
+
+    def dot_compute(self, dot, option) -> float:
+        req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
+        flops = 2.0
+        for (l, r, o), axes in zip(dot.dims, option):
+            size = self.g.tensors[dot.lhs].shape[l] if l is not None else self.g.tensors[dot.rhs].shape[r]
+            flops *= math.ceil(size / self.m.shards(axes))
+        nbytes = self._bytes(dot.lhs, req_l) + self._bytes(dot.rhs, req_r) + self._bytes(dot.out, prod)
+        return self.m.compute_time(flops, nbytes, self.g.tensors[dot.lhs].dtype.name)
+
+    # -- the problem ------------------------------------------------------------------------------
+    def build(self) -> Problem:
+        g = self.g
+        points = g.points
+        live_at: dict[int, list[int]] = {}
+        for p, live in enumerate(points):
+            for t in live:
+                if t not in self.donated_outputs:
+                    live_at.setdefault(t, []).append(p)
+        always = {t for t in g.inputs if g.tensors[t].rank}
+        base_memory = np.zeros(len(points))
+        for t in g.inputs:
+            if not g.tensors[t].rank:
+                base_memory += g.tensors[t].nbytes
+
+        nodes: list[Node] = []
+        node_of_group: dict[int, int] = {}
+        spec_of: dict[int, list[Spec]] = {}
+        for root, members in self.groups.items():
+            ranked = [t for t in members if g.tensors[t].rank]
+            if not ranked:
+                for t in members:
+                    for p in live_at.get(t, []):
+                        base_memory[p] += g.tensors[t].nbytes
+                continue
+            options = self.group_options(root)
+            cost = np.zeros(len(options))
+            memory = np.zeros((len(points), len(options)))
+            for t in ranked:
+                specs = [self.tensor_spec_from(g, t, o) for o in options]
+                spec_of[t] = specs
+                ts = g.tensors[t]
+                per_dev = np.array([self._bytes(t, s) for s in specs])
+                if ts.traffic:
+                    cost += ts.mult * ts.traffic * per_dev / self.m.mesh.device.hbm_bandwidth
+                for p in live_at.get(t, []):
+                    memory[p] += per_dev
+                if t in always:
+                    memory += per_dev[None, :]
+            node_of_group[root] = len(nodes)
+            label = g.tensors[ranked[0]].name
+            nodes.append(Node("group", root, options, cost, memory, label))
+
+        edges: dict[tuple[int, int], np.ndarray] = {}
+
+        def add_table(a: int, b: int, table: np.ndarray) -> None:
+            if a == b:
+                nodes[a].cost += np.diagonal(table).copy()
+            elif a < b:
+                edges[(a, b)] = edges.get((a, b), 0) + table
+            else:
+                edges[(b, a)] = edges.get((b, a), 0) + table.T
+
+        for e in g.edges:
+            a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
+            cache: dict[tuple[Spec, Spec], float] = {}
+            table = np.zeros((len(nodes[a].options), len(nodes[b].options)))
+            for i, s in enumerate(spec_of[e.src]):
+                for j, d in enumerate(spec_of[e.dst]):
+                    key = (s, d)
+                    if key not in cache:
+                        cache[key] = self.m.comms_time(self.edge_comms(e, s, d))
+                    table[i, j] = cache[key]
+            add_table(a, b, e.mult * table)
+
+        node_of_dot: dict[int, int] = {}
+        for k, dot in enumerate(g.dots):
+            options = self.dot_options(k)
+            cost = np.array([dot.mult * self.dot_compute(dot, o) for o in options])
+            node = len(nodes)
+            node_of_dot[k] = node
+            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source))
+            derived = [self.dot_specs(dot, o) for o in options]
+            for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
+                other = node_of_group[g.group_of(tid)]
+                table = np.zeros((len(options), len(nodes[other].options)))
+                cache = {}
+                for i, (req_l, req_r, prod, partial, _) in enumerate(derived):
+                    for j, have in enumerate(spec_of[tid]):
+                        key = (req_l, have) if role == "lhs" else (req_r, have) if role == "rhs" \
+                            else (prod, partial, have)
+                        if key not in cache:
+                            if role == "out":
+                                t = g.tensors[tid]
+                                cache[key] = self.m.comms_time(
+                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have))
+                            else:
+                                cache[key] = self.reshard_time(tid, have, key[0])
+                        table[i, j] = cache[key]
+                add_table(node, other, dot.mult * table)
+        return Problem(nodes, edges, base_memory, node_of_group, node_of_dot)
