@@ -218,12 +218,14 @@ class _Walker:
         self.g = graph
         self.rules = rules
 
-    def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: _Level | None = None) -> list[int | None]:
+    def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: _Level | None = None,
+             const_tids: list[int] | None = None) -> list[int | None]:
         """Walk ``jaxpr`` whose invars are ``in_tids``; return the tensors of its outvars."""
         g = self.g
         env: dict[Any, int | None] = {}
-        for v in jaxpr.constvars:
-            env[v] = g.new_tensor(v.aval, "constant", "activation", "closure constant", mult)
+        for k, v in enumerate(jaxpr.constvars):
+            env[v] = const_tids[k] if const_tids is not None else \
+                g.new_tensor(v.aval, "constant", "activation", "closure constant", mult)
         for v, t in zip(jaxpr.invars, in_tids):
             env[v] = t
         level = _Level() if level is None else level
@@ -351,8 +353,7 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
     walker = _Walker(g, rules)
     level = _Level()
     consts = [g.new_tensor(v.aval, "constant", "input", "closure constant", 1.0) for v in jaxpr.constvars]
-    bare = jcore.Jaxpr([], list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars, jaxpr.eqns, jaxpr.effects)
-    outs = walker.walk(bare, consts + ins, 1.0, level)
+    outs = walker.walk(jaxpr, ins, 1.0, level, const_tids=consts)
     for t in outs:
         if t is not None and g.tensors[t].role == "activation":
             g.tensors[t].role = "output"

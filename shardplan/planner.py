@@ -87,14 +87,18 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
 
 def _raise_infeasible(graph, enum, reduced, budget_bytes, options):
     best = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True)
-    need = int(best.stats.objective) if best is not None else None
+    if best is not None:
+        need, how = int(best.stats.objective), "about"
+    else:   # a lower bound: every node at its smallest option at every checkpoint
+        lowest = reduced.problem.base_memory + sum(n.memory.min(axis=1) for n in reduced.problem.nodes)
+        need, how = int(lowest.max()), "at least"
     largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
                      key=lambda x: -x[1])[:5]
     listing = ", ".join(f"{n} ({format_bytes(b)})" for n, b in largest)
     raise InfeasibleBudgetError(
         f"no plan fits memory_budget={format_bytes(budget_bytes)} per device on mesh "
         f"{enum.m.mesh.name} {dict(zip(enum.axes, enum.sizes))}; the smallest budget that works is "
-        f"about {format_bytes(need) if need else 'unknown'}. Largest inputs: {listing}. Raise the "
+        f"{how} {format_bytes(need)}. Largest inputs: {listing}. Raise the "
         f"budget, use more devices, or shrink the batch.",
         budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest)
 

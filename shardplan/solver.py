@@ -9,6 +9,7 @@ edge formulation); every memory checkpoint is a linear constraint. Costs are int
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import numpy as np
@@ -117,8 +118,8 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
         model.Minimize(peak)
     else:
         model.Minimize(sum(objective))
-    for n, node in enumerate(problem.nodes):        # start from the cheapest-alone option
-        best = int(np.argmin(node.cost))
+    start_choice = greedy(problem)
+    for n, best in enumerate(start_choice):
         for i, v in enumerate(x[n]):
             model.AddHint(v, i == best)
 
@@ -129,17 +130,22 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     solver.parameters.random_seed = 0
     solver.parameters.relative_gap_limit = relative_gap
     status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        choice = [next(i for i, v in enumerate(vs) if solver.Value(v)) for vs in x]
+        status_name = solver.StatusName(status)
+    elif status == cp_model.UNKNOWN and budget_bytes is None and not minimize_memory:
+        # Without a memory constraint every assignment is feasible: keep the local-search start.
+        choice, status_name = start_choice, "HEURISTIC"
+    else:
         return None
-    choice = [next(i for i, v in enumerate(vs) if solver.Value(v)) for vs in x]
     proto = model.Proto()
     if minimize_memory:
         obj = bound = float(solver.ObjectiveValue()) * mem_unit
     else:
-        obj = offset + solver.ObjectiveValue() * TIME_UNIT
-        bound = offset + solver.BestObjectiveBound() * TIME_UNIT
+        obj = total_cost(problem, choice)
+        bound = min(obj, offset + solver.BestObjectiveBound() * TIME_UNIT)
     stats = SolverStats(
-        status=solver.StatusName(status), objective=obj, bound=bound,
+        status=status_name, objective=obj, bound=bound,
         gap=0.0 if obj <= 0 else max(0.0, (obj - bound) / obj),
         wall_time=time.perf_counter() - start,
         num_variables=len(proto.variables), num_constraints=len(proto.constraints))
@@ -152,3 +158,55 @@ def peak_memory(problem: Problem, choice: list[int]) -> float:
     for node, i in zip(problem.nodes, choice):
         totals = totals + node.memory[:, i]
     return float(totals.max()) if totals.size else 0.0
+
+
+def total_cost(problem: Problem, choice: list[int]) -> float:
+    """Seconds of one assignment: node costs plus the edge tables."""
+    return float(sum(n.cost[c] for n, c in zip(problem.nodes, choice))
+                 + sum(t[choice[a], choice[b]] for (a, b), t in problem.edges.items()))
+
+
+def _option_axes(option) -> frozenset[str]:
+    entries = option.values() if isinstance(option, dict) else option
+    return frozenset(a for axes in entries for a in axes)
+
+
+def _icm(problem: Problem, choice: list[int], nbrs, allowed=None, sweeps: int = 8) -> list[int]:
+    """Iterated conditional modes: move each node to its best option given its neighbours."""
+    for _ in range(sweeps):
+        changed = False
+        for n, node in enumerate(problem.nodes):
+            total = node.cost.copy()
+            for m, t in nbrs[n]:
+                total += t[:, choice[m]]
+            if allowed is not None:
+                total = np.where(allowed[n], total, np.inf)
+            best = int(np.argmin(total))
+            if total[best] < total[choice[n]] - 1e-15:
+                choice[n], changed = best, True
+        if not changed:
+            break
+    return choice
+
+
+def greedy(problem: Problem) -> list[int]:
+    """A good start for the ILP: local search from several uniform plans, the cheapest kept.
+
+    For every subset of the mesh axes, the search first keeps to options that use only those axes
+    (pure data parallel over one axis, say), then is let free. Option 0 of every node is replicated.
+    """
+    nbrs: dict[int, list[tuple[int, np.ndarray]]] = {i: [] for i in range(len(problem.nodes))}
+    for (a, b), t in problem.edges.items():
+        nbrs[a].append((b, t))
+        nbrs[b].append((a, t.T))
+    axes = sorted(set().union(*(_option_axes(o) for n in problem.nodes for o in n.options)) or set())
+    best, best_cost = None, float("inf")
+    for r in range(len(axes) + 1):
+        for subset in itertools.combinations(axes, r):
+            allowed = [np.array([_option_axes(o) <= set(subset) for o in n.options]) for n in problem.nodes]
+            start = [int(np.argmin(np.where(ok, n.cost, np.inf))) for n, ok in zip(problem.nodes, allowed)]
+            choice = _icm(problem, _icm(problem, start, nbrs, allowed), nbrs)
+            cost = total_cost(problem, choice)
+            if cost < best_cost:
+                best, best_cost = choice, cost
+    return best

@@ -1,0 +1,61 @@
+import pytest
+
+import shardplan
+from shardplan.errors import DeviceCountError, MeshConfigError
+from shardplan.mesh import load_mesh, mesh_from_dict
+
+REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "a100-8", "a100-128x8"}
+
+
+def test_presets_resolve():
+    assert REQUIRED_PRESETS <= set(shardplan.preset_names())
+    for name in REQUIRED_PRESETS:
+        m = load_mesh(name)
+        assert m.source and m.num_devices == m.devices_per_node * (m.num_devices // m.devices_per_node)
+
+
+def test_cross_node_axis_uses_inter_node_link():
+    m = load_mesh("a100-128x8")
+    assert (m.axis("data").link.name, m.axis("model").link.name) == ("infiniband", "nvlink")
+    m = load_mesh("h100-8x8", axes={"data": 4, "fsdp": 4, "model": 4})
+    assert [a.link.name for a in m.axes] == ["infiniband", "infiniband", "nvlink"]
+
+
+def test_axes_override_must_multiply_to_device_count():
+    with pytest.raises(MeshConfigError, match=r"multiply to 6.*make the sizes multiply to 8"):
+        load_mesh("h100-8", axes={"data": 2, "model": 3})
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(MeshConfigError, match="neither a mesh file nor a preset; presets: .*h100-8"):
+        load_mesh("h200-9000")
+
+
+def _good():
+    return {"name": "t", "device": {"name": "d", "peak_flops": {"float32": 1e12}, "hbm_bytes": 2**30,
+                                    "hbm_bandwidth": 1e11},
+            "links": {"l": {"bandwidth": 1e9, "latency": 1e-6}},
+            "topology": {"devices_per_node": 4, "nodes": 2, "intra_node_link": "l", "inter_node_link": "l"},
+            "axes": [{"name": "data", "size": 2}, {"name": "model", "size": 4}]}
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(colour="red"), r"unknown key 'colour'"),
+    (lambda d: d.pop("device"), r"\[device\] missing section"),
+    (lambda d: d["links"]["l"].update(bandwidth=-1), r"\[links.l.bandwidth\] must be a positive number"),
+    (lambda d: d["axes"].append({"name": "data", "size": 1}), r"axis 'data' is named twice"),
+    (lambda d: d["axes"][0].update(size=3), r"multiply to 12.*= 8"),
+    (lambda d: d["topology"].update(inter_node_link="ib"), r"names link 'ib'"),
+    (lambda d: d["device"]["peak_flops"].pop("float32"), r"at least 'float32'"),
+])
+def test_bad_mesh_files(mutate, match):
+    data = _good()
+    mesh_from_dict(data)
+    mutate(data)
+    with pytest.raises(MeshConfigError, match=match):
+        mesh_from_dict(data, source="bad.toml")
+
+
+def test_too_few_devices_names_the_flag():
+    with pytest.raises(DeviceCountError, match="xla_force_host_platform_device_count=64"):
+        load_mesh("h100-8x8").to_jax_mesh()

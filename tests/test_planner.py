@@ -1,0 +1,115 @@
+"""What the planner chooses, how a plan reads and serialises, and how bad input is reported."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardplan
+from models.train import reference
+from shardplan.mesh import Link
+
+
+@pytest.fixture(scope="module")
+def wide():
+    ref = reference("mlp-tiny", scan=True, d_model=256, d_ff=1024)
+    return ref, jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+
+
+def test_parameter_bytes_fall_as_budget_tightens(wide):
+    ref, state, batch = wide
+    mesh = shardplan.load_mesh("h100-8")
+    loose = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=3)
+    tight = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=3,
+                           memory_budget=int(loose.cost.memory_bytes * 0.3))
+    assert tight.cost.memory_bytes <= loose.cost.memory_bytes * 0.3
+    assert tight.cost.memory_bytes_by_role["params"] < loose.cost.memory_bytes_by_role["params"]
+    full = sum(np.prod(r.shape) * 4 for r in tight.inputs if r.role == "params")
+    assert tight.cost.memory_bytes_by_role["params"] < full      # not trivially replicated
+
+
+def test_infeasible_budget_names_smallest_budget_and_largest_tensors(wide):
+    ref, state, batch = wide
+    with pytest.raises(shardplan.InfeasibleBudgetError, match=r"smallest budget that works is (about|at least) .*"
+                                                              r"Largest inputs: \[0\]") as info:
+        shardplan.plan(ref.train_step, state, batch, mesh="h100-8", memory_budget="64KiB", time_limit=2)
+    assert info.value.min_feasible_bytes > 64 * 1024
+    assert info.value.largest_tensors[0][1] == 2 * 256 * 1024 * 4   # a stacked (2 layers) kernel
+
+
+def test_slow_model_axis_gives_pure_data_parallel():
+    ref = reference("mlp-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(512, abstract=True)
+    mesh = shardplan.load_mesh("h100-8")
+    slow = dataclasses.replace(mesh, axes=(mesh.axes[0], dataclasses.replace(mesh.axes[1], link=Link("slow", 1e6, 1e-3))))
+    p = shardplan.plan(ref.train_step, state, batch, mesh=slow, time_limit=3)
+    assert p.cost.comm_s_by_axis["model"] == 0.0
+    inputs = {r.name: r.partition_spec for r in p.inputs}
+    assert inputs["[1]['inputs']"] == jax.sharding.PartitionSpec("data")
+    # Data parallel: nothing on the slow axis. (Small vectors may be ZeRO-sharded over 'data': a
+    # reduce-scatter + all-gather costs what the all-reduce would.)
+    assert not any("model" in str(r.partition_spec) for r in p.inputs)
+    assert all(r.spec == ((),) * len(r.shape) for r in p.inputs if r.name.endswith("['kernel']"))
+
+
+def test_tiny_batch_huge_layers_gives_tensor_parallel():
+    ref = reference("mlp-tiny", scan=True, d_model=1024, d_ff=8192, seq_len=8)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(1, abstract=True)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh("h100-8", axes={"model": 8}),
+                       time_limit=3, memory_budget="200MiB")
+    kernels = [r for r in p.inputs if r.role == "params" and r.name.endswith("['kernel']") and "layers" in r.name]
+    assert kernels and all("model" in str(r.partition_spec) for r in kernels)
+    assert p.cost.memory_bytes <= 200 * 2**20
+
+
+def test_plan_round_trips_and_explains():
+    ref = reference("gpt-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    p = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=2)
+    q = shardplan.Plan.from_json(p.to_json())
+    assert q.input_specs() == p.input_specs() and q.cost == p.cost and q.solver == p.solver
+    text = p.explain()
+    assert "['params']['wte']['embedding']" in text and "PartitionSpec" in text and "solver:" in text
+    shardings = p.in_shardings()
+    assert isinstance(jax.tree.leaves(shardings)[0], jax.sharding.NamedSharding)
+    with pytest.raises(shardplan.PlanMismatchError, match="loaded from JSON"):
+        q.in_shardings()
+
+
+def test_decorator_bare_and_with_arguments_and_lower_from_abstract():
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    w, x = jnp.ones((64, 64)) / 8, jnp.ones((32, 64))
+    bare = shardplan.auto(step, mesh="cpu-8", time_limit=1)
+    decorated = shardplan.auto(mesh="cpu-8", time_limit=1)(step)
+    np.testing.assert_allclose(bare(w, x), jax.jit(step)(w, x), rtol=1e-6)
+    np.testing.assert_allclose(decorated(w, x), jax.jit(step)(w, x), rtol=1e-6)
+    abstract = (jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32))
+    compiled = decorated.lower(*abstract).compile()
+    assert compiled.memory_analysis() is not None
+    assert decorated.plan.inputs[0].shape == (64, 64)
+
+
+def test_static_argnums_and_donation():
+    def step(w, x, scale):
+        return w * scale + x.sum()
+
+    f = shardplan.auto(step, mesh="cpu-8", static_argnums=(2,), donate_argnums=(0,), time_limit=1)
+    out = f(jnp.ones((16, 16)), jnp.ones((8,)), 3.0)
+    np.testing.assert_allclose(out, 3.0 + 8.0)
+
+
+def test_unknown_primitive_falls_back_with_one_warning():
+    def step(x):
+        values, _ = jax.lax.top_k(x, 4)
+        return values * 2
+
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    with pytest.warns(UserWarning, match=r"no sharding rule for primitive 'top_k' at .*test_planner.py"):
+        f = shardplan.auto(step, mesh="cpu-8", time_limit=1)
+        out = f(x)
+    np.testing.assert_allclose(out, jax.jit(step)(x), rtol=1e-6)
+    assert len(f.plan.warnings) == 1
