@@ -22,9 +22,10 @@ def main() -> None:
     ap.add_argument("--model", default="gpt3-175b")
     ap.add_argument("--mesh", default="a100-128x8")
     ap.add_argument("--layers", default="12,24,48,96")
-    ap.add_argument("--batch", type=int, default=1536)
+    ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--memory-budget", default=None, help="per device, e.g. 80GiB (default: the device's HBM)")
     args = ap.parse_args()
     print(f"| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s | memory/device GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -34,7 +35,7 @@ def main() -> None:
         batch = ref.batch(args.batch, abstract=True)
         start = time.perf_counter()
         p = shardplan.plan(ref.train_step, state, batch, mesh=args.mesh, donate_argnums=(0,),
-                           time_limit=args.time_limit)
+                           time_limit=args.time_limit, memory_budget=args.memory_budget)
         wall = time.perf_counter() - start
         print(f"| {args.model} | {n} | {'scan' if args.scan else 'unrolled'} | {wall:.1f} | {p.solver.wall_time:.1f} | "
               f"{p.solver.status} | {p.solver.gap:.1%} | {p.cost.step_s:.2f} | {p.cost.memory_bytes / 2**30:.1f} |",

@@ -222,10 +222,18 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
     return base.with_axes(dict(zip(names, sizes)))
 
 
+def _preset_dir():
+    """The presets: installed as ``shardplan.meshes``; in a source checkout, the top-level ``meshes/``."""
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshes")
+    try:
+        return importlib.resources.files("shardplan.meshes")
+    except ModuleNotFoundError:
+        return importlib.resources.files("shardplan").joinpath(os.path.relpath(checkout, os.path.dirname(__file__)))
+
+
 def preset_names() -> list[str]:
     """Names of the mesh presets shipped with the package."""
-    root = importlib.resources.files("shardplan.meshes")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".toml"))
 
 
 def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int] | None = None) -> MeshSpec:
@@ -252,7 +260,7 @@ def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int
     if text_source not in names:
         raise MeshConfigError(f"is neither a mesh file nor a preset; presets: {', '.join(names)}",
                               source=repr(text_source))
-    resource = importlib.resources.files("shardplan.meshes") / f"{text_source}.toml"
+    resource = _preset_dir() / f"{text_source}.toml"
     data = tomllib.loads(resource.read_text())
     return mesh_from_dict(data, source=f"preset {text_source}", axes=axes)
 
