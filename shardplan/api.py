@@ -22,6 +22,11 @@ def _mesh_spec(mesh) -> MeshSpec:
     return load_mesh(mesh)
 
 
+def _budget(memory_budget, mesh_spec: MeshSpec) -> int:
+    """Bytes per device: the given budget, or the device's HBM."""
+    return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.hbm_bytes
+
+
 def _normalize(argnums, n) -> tuple[int, ...]:
     argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
     for a in argnums:
@@ -61,8 +66,8 @@ class _Traced:
                                            options=options, in_tree=in_tree, out_tree=out_tree)
         self.mesh = jax_mesh if jax_mesh is not None else mesh_spec.to_jax_mesh()
         run = constrained_function(closed, self.graph, self.plan.specs_by_tensor(), self.plan.dot_operands, self.mesh)
-        in_sh = [jax.sharding.NamedSharding(self.mesh, r.partition_spec) for r in self.plan.inputs]
-        out_sh = [jax.sharding.NamedSharding(self.mesh, r.partition_spec) for r in self.plan.outputs]
+        in_sh = Plan.flat_shardings(self.plan.inputs, self.mesh)
+        out_sh = Plan.flat_shardings(self.plan.outputs, self.mesh)
         flat_donate = tuple(i for i, d in enumerate(donated) if d)
         self.jitted = jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=flat_donate,
                               **jit_kwargs)
@@ -96,7 +101,7 @@ class AutoFunction:
         self.fn = fn
         self.mesh_spec = _mesh_spec(mesh)
         self._jax_mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None
-        self.budget = parse_bytes(memory_budget) if memory_budget is not None else self.mesh_spec.device.hbm_bytes
+        self.budget = _budget(memory_budget, self.mesh_spec)
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self.options = PlannerOptions(time_limit=time_limit)
@@ -161,7 +166,7 @@ def plan(fn: Callable, *args, mesh, memory_budget=None, static_argnums: Sequence
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
     """
     mesh_spec = _mesh_spec(mesh)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.hbm_bytes
+    budget = _budget(memory_budget, mesh_spec)
     static = _normalize(static_argnums, len(args))
     donate = _normalize(donate_argnums, len(args))
     closed, names, arg_of, donated, _, in_tree, out_tree = _trace_step(fn, args, static, donate)

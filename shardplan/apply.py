@@ -16,7 +16,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from shardplan.cost import Spec, to_partition_spec
-from shardplan.graph import Graph, _CALL_PRIMITIVES, _sub_jaxpr
+from shardplan.graph import CALL_PRIMITIVES, Graph, sub_jaxpr
 
 _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
@@ -72,8 +72,8 @@ class _Emitter:
                     self._store(env, eqn, outs)
                     continue
                 params["jaxpr"] = new.jaxpr
-            elif name in _CALL_PRIMITIVES:
-                body, body_consts = _sub_jaxpr(eqn)
+            elif name in CALL_PRIMITIVES:
+                body, body_consts = sub_jaxpr(eqn)
                 self._store(env, eqn, self.eval(body, body_consts, ins))
                 continue
             with eqn.ctx.manager:

@@ -26,9 +26,7 @@ from jax.extend import core as jcore
 
 Spec = tuple[tuple[str, ...], ...]
 
-# Params that do not stop a same-shape op from being elementwise.
-_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype"}
-_CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
+CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
 
@@ -135,7 +133,7 @@ class Graph:
     def new_tensor(self, aval, name: str, role: str, source: str, mult: float) -> int:
         tid = len(self.tensors)
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
-        dtype = np.dtype(getattr(aval, "dtype", np.float32)) if hasattr(aval, "dtype") else np.dtype(np.float32)
+        dtype = np.dtype(getattr(aval, "dtype", np.float32))
         self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult))
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
@@ -203,7 +201,7 @@ def _name_of(eqn) -> str:
     return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
 
 
-def _sub_jaxpr(eqn) -> tuple[Any, list]:
+def sub_jaxpr(eqn) -> tuple[Any, list]:
     """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
     for value in eqn.params.values():
         jaxpr = getattr(value, "jaxpr", value)
@@ -240,8 +238,8 @@ class _Walker:
             for t in ins:
                 if t is not None:
                     level.last_use[t] = i
-            name, prim = eqn.primitive.name, eqn.primitive.name
-            if prim in _CALL_PRIMITIVES or prim in ("scan", "while", "cond"):
+            prim = eqn.primitive.name
+            if prim in CALL_PRIMITIVES or prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i)
             else:
                 outs = []
@@ -318,7 +316,7 @@ class _Walker:
                 for bt, t in zip(branch_out, outs):
                     g.union(bt, t)
         else:
-            body, _ = _sub_jaxpr(eqn)
+            body, _ = sub_jaxpr(eqn)
             body_out = self._inner(body, ins, mult, level, i)
             for bt, t in zip(body_out, outs):
                 g.union(bt, t)

@@ -105,15 +105,20 @@ class MeshSpec:
 
     def to_jax_mesh(self, devices: list | None = None) -> jax.sharding.Mesh:
         """A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes over the first devices of ``jax.devices()``."""
-        devices = list(jax.devices()) if devices is None else list(devices)
-        n = self.num_devices
-        if len(devices) < n:
-            raise DeviceCountError(
-                f"mesh {self.name!r} {dict(zip(self.axis_names, self.axis_sizes))} needs {n} devices but "
-                f"jax.devices() has {len(devices)}; on CPU set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
-        auto = (jax.sharding.AxisType.Auto,) * len(self.axes)
-        return jax.make_mesh(self.axis_sizes, self.axis_names, axis_types=auto, devices=devices[:n])
+        return make_jax_mesh(self.axis_names, self.axis_sizes, devices, name=self.name)
+
+
+def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: str = "mesh") -> jax.sharding.Mesh:
+    """``jax.make_mesh`` with explicit ``AxisType.Auto`` axes, or a clear error when devices are too few."""
+    devices = list(jax.devices()) if devices is None else list(devices)
+    n = math.prod(axis_sizes)
+    if len(devices) < n:
+        raise DeviceCountError(
+            f"mesh {name!r} {dict(zip(axis_names, axis_sizes))} needs {n} devices but "
+            f"jax.devices() has {len(devices)}; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax")
+    auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
+    return jax.make_mesh(tuple(axis_sizes), tuple(axis_names), axis_types=auto, devices=devices[:n])
 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes"}

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan.cost import Spec, to_partition_spec
 from shardplan.errors import PlanMismatchError
+from shardplan.mesh import make_jax_mesh
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats
 
@@ -81,12 +82,15 @@ class Plan:
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
-        from shardplan.mesh import load_mesh  # local: keeps plan.py free of preset loading at import
-        spec = load_mesh("cpu-8").with_axes(dict(zip(self.axis_names, self.axis_sizes)))
-        return spec.to_jax_mesh(devices)
+        return make_jax_mesh(self.axis_names, self.axis_sizes, devices, name=self.mesh_name)
+
+    @staticmethod
+    def flat_shardings(rows, mesh: jax.sharding.Mesh) -> list[NamedSharding]:
+        """One ``NamedSharding`` per row (``plan.inputs`` or ``plan.outputs``), in flat order."""
+        return [NamedSharding(mesh, r.partition_spec) for r in rows]
 
     def _tree(self, rows, tree, mesh):
-        leaves = [NamedSharding(mesh, r.partition_spec) for r in rows]
+        leaves = self.flat_shardings(rows, mesh)
         if tree is None:
             raise PlanMismatchError("this plan was loaded from JSON and has no pytree structure; "
                                     "use plan.input_specs() for (path, PartitionSpec) pairs")

@@ -29,7 +29,7 @@ class PlannerOptions:
 def role_of(path: str, arg_index: int) -> str:
     """A readable role for an input leaf from its pytree path."""
     low = path.lower()
-    if "opt_state" in low or low.startswith("[0]") and ("mu" in low or "nu" in low):
+    if "opt_state" in low:
         return "opt_state"
     if "param" in low:
         return "params"

@@ -9,12 +9,14 @@ the primitive and the source line.
 
 from __future__ import annotations
 
-from shardplan.graph import DotOp, Graph, PairEdge, _ELEMENTWISE_PARAMS, source_of
+from shardplan.graph import DotOp, Graph, PairEdge, source_of
 
 Spec = tuple[tuple[str, ...], ...]
 
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-               "reduce_xor", "reduce_precision_sum"}
+               "reduce_xor"}
+# Params that do not stop a same-shape op from being elementwise.
+_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype"}
 _SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 

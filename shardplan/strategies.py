@@ -9,7 +9,6 @@ of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -56,7 +55,8 @@ class Enumerator:
         self.groups = graph.groups()
         self.pinned = graph.pinned_classes()
         self.donated_outputs = donated_outputs
-        self._spec_cache: dict[tuple[int, int], Spec] = {}
+        self._bytes_memo: dict[tuple, float] = {}
+        self._reshard_memo: dict[tuple, float] = {}
 
     # -- options ---------------------------------------------------------------------------------
     def group_classes(self, root: int) -> list[int]:
@@ -133,15 +133,20 @@ class Enumerator:
         return tuple(specs[0]), tuple(specs[1]), tuple(specs[2]), partial, tuple(ranks)
 
     # -- costs -----------------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=None)
+    # Per-instance memo tables (a method-level lru_cache would pin every Enumerator for good).
     def _bytes(self, tid: int, spec: Spec) -> float:
-        t = self.g.tensors[tid]
-        return self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec)
+        key = (tid, spec)
+        if key not in self._bytes_memo:
+            t = self.g.tensors[tid]
+            self._bytes_memo[key] = self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec)
+        return self._bytes_memo[key]
 
-    @functools.lru_cache(maxsize=None)
     def reshard_time(self, tid: int, src: Spec, dst: Spec) -> float:
-        t = self.g.tensors[tid]
-        return self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
+        key = (tid, src, dst)
+        if key not in self._reshard_memo:
+            t = self.g.tensors[tid]
+            self._reshard_memo[key] = self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
+        return self._reshard_memo[key]
 
     def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[Comm]:
         if edge.required is not None:
