@@ -35,7 +35,7 @@ def _normalize(argnums, n) -> tuple[int, ...]:
     return tuple(sorted(a % n for a in argnums))
 
 
-def _trace_step(fn, args, static, donate):
+def trace_step(fn, args, static, donate):
     """Trace ``fn(*args)`` with the non-static args abstract; name every flat input by its pytree path."""
     dynamic = [i for i in range(len(args)) if i not in static]
 
@@ -61,7 +61,7 @@ class _Traced:
 
     def __init__(self, fn, args, mesh_spec: MeshSpec, budget: int, static: tuple[int, ...],
                  donate: tuple[int, ...], options: PlannerOptions, jit_kwargs: dict, jax_mesh=None):
-        closed, names, arg_of, donated, self.dynamic, in_tree, out_tree = _trace_step(fn, args, static, donate)
+        closed, names, arg_of, donated, self.dynamic, in_tree, out_tree = trace_step(fn, args, static, donate)
         self.plan, self.graph = plan_jaxpr(closed, names, arg_of, mesh_spec, budget, donated=donated,
                                            options=options, in_tree=in_tree, out_tree=out_tree)
         self.mesh = jax_mesh if jax_mesh is not None else mesh_spec.to_jax_mesh()
@@ -169,7 +169,7 @@ def plan(fn: Callable, *args, mesh, memory_budget=None, static_argnums: Sequence
     budget = _budget(memory_budget, mesh_spec)
     static = _normalize(static_argnums, len(args))
     donate = _normalize(donate_argnums, len(args))
-    closed, names, arg_of, donated, _, in_tree, out_tree = _trace_step(fn, args, static, donate)
+    closed, names, arg_of, donated, _, in_tree, out_tree = trace_step(fn, args, static, donate)
     p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, budget, donated=donated,
                       options=PlannerOptions(time_limit=time_limit), in_tree=in_tree, out_tree=out_tree)
     return p

@@ -39,7 +39,6 @@ class Tensor:
     role: str           # "input", "output" or "activation"
     source: str         # "file:line (function)" of the op that made it, or the input path
     mult: float         # how many times it is produced per step (trip counts of enclosing scans)
-    traffic: int = 0    # operands + result of the op that made it, for its HBM traffic
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +245,6 @@ class _Walker:
                 src = source_of(eqn)
                 for j, v in enumerate(eqn.outvars):
                     t = g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult)
-                    g.tensors[t].traffic = 1 + sum(1 for x in ins if x is not None)
                     g.eqn_outputs[(id(eqn), j)] = t
                     outs.append(t)
                 self.rules(g, eqn, ins, outs, mult)

@@ -17,6 +17,7 @@ from shardplan.simplify import expand, simplify
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats, peak_memory, solve
 from shardplan.strategies import Enumerator
+from shardplan.tying import tie, untie
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,7 @@ class PlannerOptions:
     time_limit: float = 10.0          # seconds for each ILP solve
     relative_gap: float = 0.005       # stop once within this fraction of the best bound
     num_points: int = 12              # memory checkpoints taken from the liveness schedule
+    tie_layers: bool = True           # repeated layers share one choice (solved once)
 
 
 def role_of(path: str, arg_index: int) -> str:
@@ -42,26 +44,37 @@ def graph_fingerprint(g: Graph) -> str:
 
 def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[int], mesh: MeshSpec,
                budget_bytes: int, *, donated: Sequence[bool] = (), options: PlannerOptions = PlannerOptions(),
-               in_tree=None, out_tree=None) -> tuple[Plan, Graph]:
-    """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (positional arg of each in ``input_args``)."""
+               in_tree=None, out_tree=None, fixed_inputs: Sequence[Spec | None] | None = None) -> tuple[Plan, Graph]:
+    """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (positional arg of each in ``input_args``).
+
+    ``fixed_inputs`` pins the spec of some inputs (``None``: free), e.g. to price a hand-written
+    plan's parameter and batch shardings with the best activation shardings around them.
+    """
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points)
     donated_outputs = _donated_outputs(graph, donated)
     model = CostModel(mesh)
-    enum = Enumerator(graph, model, donated_outputs)
+    fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
+    enum = Enumerator(graph, model, donated_outputs, fixed)
     problem = enum.build()
-    reduced = simplify(problem)
+    tied = tie(problem) if options.tie_layers else None
+    reduced = simplify(tied.problem if tied else problem)
+
+    def full_choice(sol) -> list[int]:
+        choice = expand(reduced, sol.choice, len(reduced_source.nodes))
+        return untie(tied, choice) if tied else choice
+    reduced_source = tied.problem if tied else problem
 
     start = time.perf_counter()
     # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
     sol = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit,
                 relative_gap=options.relative_gap)
-    choice = expand(reduced, sol.choice, len(problem.nodes))
+    choice = full_choice(sol)
     if peak_memory(problem, choice) > budget_bytes:
         sol = solve(reduced.problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
                     relative_gap=options.relative_gap)
         if sol is None:
             _raise_infeasible(graph, enum, reduced, budget_bytes, options)
-        choice = expand(reduced, sol.choice, len(problem.nodes))
+        choice = full_choice(sol)
     stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
     plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree)
     return plan, graph
@@ -142,8 +155,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         req_l, req_r, _, _, _ = enum.dot_specs(dot, option)
         dot_operands[dot.out] = (req_l, req_r)
     for t in graph.tensors:
-        if t.traffic and t.rank:
-            s = t.mult * t.traffic * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \
+        if t.id in enum.traffic and t.rank:
+            s = t.mult * enum.traffic[t.id] * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \
                 / mesh.device.hbm_bandwidth
             compute += s
             cost_of[t.id] += s

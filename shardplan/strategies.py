@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 
 import numpy as np
 
@@ -28,6 +29,10 @@ class Node:
     cost: np.ndarray               # seconds per option (compute, and collectives inside the node)
     memory: np.ndarray             # [points, options] bytes per device of live tensors
     label: str = ""
+    signature: int = 0             # equal for nodes of repeated layers (same shapes, ops and options)
+
+
+_LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
 
 
 @dataclasses.dataclass
@@ -39,6 +44,26 @@ class Problem:
     node_of_dot: dict[int, int]
 
 
+def hbm_traffic(graph: Graph) -> dict[int, int]:
+    """How many times each tensor crosses HBM per use, assuming XLA fuses elementwise chains.
+
+    A tensor that a dot, a non-elementwise op or the step's boundary reads or writes is
+    materialised: written once and read once. Intermediates inside a group of elementwise ops
+    are fused away and cost nothing. (Dots price their own operand traffic.)
+    """
+    traffic: dict[int, int] = {}
+    for e in graph.edges:
+        traffic[e.src] = traffic[e.dst] = 2
+    for d in graph.dots:
+        traffic.setdefault(d.out, 0)
+    for t in graph.inputs:
+        traffic[t] = max(traffic.get(t, 0), 1)
+    for t in graph.outputs:
+        if t is not None:
+            traffic[t] = 2
+    return {t: n for t, n in traffic.items() if n}
+
+
 def _assignments(choices_per_axis: list[list[int]]):
     """Every way to give each mesh axis one of its choices (-1: unused)."""
     return itertools.product(*[[-1] + c for c in choices_per_axis])
@@ -47,7 +72,9 @@ def _assignments(choices_per_axis: list[list[int]]):
 class Enumerator:
     """Turns a :class:`Graph` and a :class:`CostModel` into a :class:`Problem`."""
 
-    def __init__(self, graph: Graph, model: CostModel, donated_outputs: frozenset[int] = frozenset()):
+    def __init__(self, graph: Graph, model: CostModel, donated_outputs: frozenset[int] = frozenset(),
+                 fixed: dict[int, Spec] | None = None):
+        self.fixed = fixed or {}     # tensor -> spec it must have (inputs of a hand-written plan)
         self.g = graph
         self.m = model
         self.axes = model.mesh.axis_names
@@ -55,6 +82,7 @@ class Enumerator:
         self.groups = graph.groups()
         self.pinned = graph.pinned_classes()
         self.donated_outputs = donated_outputs
+        self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
         self._reshard_memo: dict[tuple, float] = {}
 
@@ -200,6 +228,14 @@ class Enumerator:
                         base_memory[p] += g.tensors[t].nbytes
                 continue
             options = self.group_options(root)
+            pins = [(t, self.fixed[t]) for t in ranked if t in self.fixed]
+            if pins:
+                options = [o for o in options if all(self.tensor_spec_from(g, t, o) == s for t, s in pins)]
+                if not options:
+                    t, s = pins[0]
+                    raise ValueError(f"no sharding of {g.tensors[t].name} {g.tensors[t].shape} matches the fixed "
+                                     f"spec {s} together with {len(pins) - 1} other fixed tensor(s) of its group; "
+                                     "fix a spec whose sharded dimensions divide evenly")
             cost = np.zeros(len(options))
             memory = np.zeros((len(points), len(options)))
             for t in ranked:
@@ -207,15 +243,18 @@ class Enumerator:
                 spec_of[t] = specs
                 ts = g.tensors[t]
                 per_dev = np.array([self._bytes(t, s) for s in specs])
-                if ts.traffic:
-                    cost += ts.mult * ts.traffic * per_dev / self.m.mesh.device.hbm_bandwidth
+                if t in self.traffic:
+                    cost += ts.mult * self.traffic[t] * per_dev / self.m.mesh.device.hbm_bandwidth
                 for p in live_at.get(t, []):
                     memory[p] += per_dev
                 if t in always:
                     memory += per_dev[None, :]
             node_of_group[root] = len(nodes)
             label = g.tensors[ranked[0]].name
-            nodes.append(Node("group", root, options, cost, memory, label))
+            where = tuple((g.tensors[t].shape, g.tensors[t].dtype.name, self.traffic.get(t, 0),
+                           _LAYER_INDEX.sub("#", g.tensors[t].source)) for t in ranked)
+            signature = hash((where, tuple(tuple(spec_of[t]) for t in ranked)))
+            nodes.append(Node("group", root, options, cost, memory, label, signature))
 
         edges: dict[tuple[int, int], np.ndarray] = {}
 
@@ -245,7 +284,9 @@ class Enumerator:
             cost = np.array([dot.mult * self.dot_compute(dot, o) for o in options])
             node = len(nodes)
             node_of_dot[k] = node
-            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source))
+            shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
+            signature = hash((dot.dims, shapes, dot.source, tuple(options)))
+            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source, signature))
             derived = [self.dot_specs(dot, o) for o in options]
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
                 other = node_of_group[g.group_of(tid)]

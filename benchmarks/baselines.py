@@ -1,0 +1,77 @@
+"""Hand-written sharding plans for the reference models, as an expert would write them.
+
+Each returns PartitionSpecs for the train state (params and AdamW state share a spec) and the
+batch, on a mesh with axes ``data`` and ``model``:
+
+- ``dp``: pure data parallel: everything replicated, the batch split over every mesh axis.
+- ``fsdp``: ZeRO-3: every parameter and its optimizer state split over every mesh axis along
+  its largest evenly divisible dimension; the batch split over every mesh axis.
+- ``megatron``: Megatron-LM tensor parallel over ``model`` (column-parallel qkv/fc/gate/up,
+  row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``.
+  Activations are left to XLA's propagation (no explicit sequence-parallel constraints).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+COLUMN = ("qkv", "fc", "wq", "wk", "wv", "w_gate", "w_up", "Dense_0", "head")
+ROW = ("proj", "out", "wo", "w_down", "Dense_1")
+BASELINES = ("dp", "fsdp", "megatron")
+
+
+def _keys(path) -> list[str]:
+    """Path keys as strings, without NNX's trailing ``.value``."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+    return out[:-1] if out and out[-1] == "value" else out
+
+
+def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[str, int], stacked: bool) -> P:
+    rank = len(shape)
+    if rank == 0 or kind == "dp":
+        return P()
+    lead = 1 if stacked and "layers" in keys else 0
+    all_axes = tuple(a for a, n in axes.items() if n > 1)
+    if kind == "fsdp":
+        n = math.prod(axes[a] for a in all_axes)
+        dims = sorted(range(lead, rank), key=lambda d: -shape[d])
+        for d in dims:
+            if shape[d] % n == 0 and n > 1:
+                return P(*([None] * d + [all_axes if len(all_axes) > 1 else all_axes[0]]))
+        return P()
+    m = axes.get("model", 1)
+    leaf = keys[-1]
+    layer = next((k for k in reversed(keys[:-1]) if not k.isdigit()), "")
+
+    def on(d):
+        return P(*([None] * d + ["model"])) if shape[d] % m == 0 and m > 1 else P()
+    if leaf == "embedding":
+        return on(0)                                     # vocab-parallel embedding
+    if layer in COLUMN:
+        return on(rank - 1)      # kernel [in, out] and bias [out]: split out (the head: vocab-parallel)
+    if layer in ROW and leaf == "kernel":
+        return on(lead)                                  # kernel [in, out]: split in
+    return P()
+
+
+def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: bool):
+    """(state specs, batch specs) pytrees for baseline ``kind``."""
+    if kind not in BASELINES:
+        raise ValueError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
+
+    def state_leaf(path, x):
+        return _param_spec(kind, _keys(path), tuple(x.shape), axes, stacked)
+    state_specs = jax.tree_util.tree_map_with_path(state_leaf, abstract_state)
+    all_axes = tuple(a for a, n in axes.items() if n > 1)
+    batch_axes = ("data",) if kind == "megatron" else all_axes
+    batch_axes = tuple(a for a in batch_axes if axes.get(a, 1) > 1)
+    spec = P(batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None))
+    return state_specs, jax.tree.map(lambda _: spec, batch)

@@ -1,0 +1,182 @@
+"""Read the collectives of a compiled program from its HLO text.
+
+Every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (sync, async
+``-start`` or tuple-shaped) with its bytes per device, the mesh axes its replica groups span, and
+how many times it runs: inside a while loop, times the loop's ``known_trip_count``. Replica
+groups come in several notations: ``{{0,1},{2,3}}``, ``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)`` and
+``mesh['a'=2,'b'=4] {'a'}`` (optionally with ``device_ids=(...)``); all are read.
+
+>>> stats = collectives(compiled.as_text(), jax_mesh)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Comm
+
+COLLECTIVE_PERMUTE = "collective-permute"
+_KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (" + "|".join(_KINDS) + r")(-start)?\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+_WHILE = re.compile(r"\bwhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r"(?:calls|to_apply|branch_computations|called_computations)=\{?%?([\w.\-]+(?:, ?%?[\w.\-]+)*)\}?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    nbytes: float                  # per device, as Comm.nbytes (operand size for reduce-scatter)
+    axes: tuple[str, ...]          # mesh axes the replica groups span
+    group_size: int
+    count: float                   # how many times it runs per step
+    name: str
+
+    def comm(self) -> Comm:
+        return Comm(self.kind, self.axes, self.nbytes)
+
+
+def _shape_bytes(text: str) -> float:
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _BYTES:
+            total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _iota(dims: list[int], perm: list[int] | None, reshape: list[int]) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if perm is not None:
+        ids = ids.transpose(perm)
+    return ids.reshape(reshape)
+
+
+def replica_groups(text: str, num_devices: int) -> list[list[int]]:
+    """Device groups from any of the HLO replica-group notations."""
+    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", text)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d, ]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
+        return _iota(dims, perm, shape).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+                  text)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        if m.group(2):
+            dims = [int(x) for x in m.group(2).split(",")]
+            perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
+            devices = _iota(dims, perm, sizes)
+        else:
+            devices = np.arange(math.prod(sizes)).reshape(sizes)
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        moved = devices.transpose(rest + grouped)
+        return moved.reshape(-1, math.prod(sizes[i] for i in grouped) if grouped else 1).tolist()
+    return [list(range(num_devices))]
+
+
+def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
+    """Mesh axes along which the devices of one group differ."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    coords = [np.argwhere(ids == d)[0] for d in group]
+    return tuple(name for k, name in enumerate(mesh.axis_names) if len({int(c[k]) for c in coords}) > 1)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Each computation's lines, and how many times it runs per step (ENTRY once; a while body
+    its ``known_trip_count`` times, or once if unknown; called computations as often as callers)."""
+    bodies: dict[str, list[str]] = {}
+    current, entry = None, None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(1)
+            bodies[current] = [line]        # the header: parameter shapes
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            bodies[current].append(line)
+    mult: dict[str, float] = {}
+
+    def visit(comp: str, times: float) -> None:
+        mult[comp] = mult.get(comp, 0.0) + times
+        for line in bodies.get(comp, [])[1:]:
+            w = _WHILE.search(line)
+            if w:
+                trip = _TRIP.search(line)
+                visit(w.group(2), times * (int(trip.group(1)) if trip else 1))
+                continue
+            for callees in _CALLS.findall(line):
+                for callee in re.split(r",\s*", callees):
+                    callee = callee.lstrip("%")
+                    if callee in bodies and callee != comp:
+                        visit(callee, times)
+    if entry is not None:
+        visit(entry, 1.0)
+    return bodies, mult
+
+
+_DOT = re.compile(r"=\s*(\S+) dot\((?:\S+ )?%?([\w.\-]+), (?:\S+ )?%?([\w.\-]+)\).*?lhs_contracting_dims=\{([\d,]*)\}")
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ")
+_PARAM = re.compile(r"([\w.\-]+): (\w+\[[\d,]*\])")
+
+
+def dot_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs of every dot per device per step, by the dtype of its lhs, trip counts included."""
+    bodies, mult = _computations(hlo_text)
+    out: dict[str, float] = {}
+    for comp, lines in bodies.items():
+        shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
+        for line in lines[1:]:
+            d = _DEF.match(line)
+            if d:
+                shapes[d.group(1)] = d.group(2)
+        for line in lines[1:]:
+            m = _DOT.search(line)
+            if not m:
+                continue
+            result, lhs, contracting = m.group(1), shapes.get(m.group(2), ""), m.group(4)
+            (rdtype, rdims), = _SHAPE.findall(result)[:1] or [("f32", "")]
+            (ldtype, ldims), = _SHAPE.findall(lhs)[:1] or [("f32", "")]
+            lsizes = [int(d) for d in ldims.split(",") if d]
+            k = math.prod(lsizes[int(c)] for c in contracting.split(",") if c)
+            flops = 2.0 * math.prod(int(d) for d in rdims.split(",") if d) * k * mult.get(comp, 0.0)
+            out[ldtype] = out.get(ldtype, 0.0) + flops
+    return out
+
+
+def collectives(hlo_text: str, mesh) -> list[Collective]:
+    """Every collective of a compiled module, with its trip-count multiplicity."""
+    bodies, mult = _computations(hlo_text)
+    out = []
+    n = int(np.prod(mesh.devices.shape))
+    for comp, lines in bodies.items():
+        for line in lines[1:]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, result, kind, _, rest = m.groups()
+            groups = replica_groups(rest, n)
+            if kind == COLLECTIVE_PERMUTE:
+                pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+                group = sorted({int(x) for x in re.findall(r"\d+", pairs.group(1))}) if pairs else list(range(n))
+            else:
+                group = groups[0]
+            nbytes = _shape_bytes(result)
+            if kind == REDUCE_SCATTER:
+                nbytes *= len(group)
+            out.append(Collective(kind, nbytes, _axes_of(group, mesh), len(group), mult.get(comp, 0.0), name))
+    return out

@@ -1,0 +1,49 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardplan.hlo import collectives, dot_flops, replica_groups
+from shardplan.mesh import make_jax_mesh
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("replica_groups={{0,1},{2,3}}, x", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,4]<=[8], x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}, x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+])
+def test_replica_group_notations(text, expected):
+    assert sorted(map(sorted, replica_groups(text, 8))) == sorted(map(sorted, expected))
+
+
+def test_contracting_split_gives_all_reduce_over_its_axis():
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    f = jax.jit(lambda x, w: x @ w, in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
+                out_shardings=NamedSharding(mesh, P("data")))
+    text = f.lower(x, w).compile().as_text()
+    found = [c for c in collectives(text, mesh) if c.kind in ("all-reduce", "reduce-scatter")]
+    assert found and all(c.axes == ("model",) for c in found)
+    assert dot_flops(text)["f32"] == pytest.approx(2 * 8 * 16 * 32)
+
+
+def test_collectives_inside_scan_count_trip_times():
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+
+    def f(ws, x):
+        def body(h, w):
+            return jax.lax.with_sharding_constraint(h @ w, NamedSharding(mesh, P("data"))), None
+        return jax.lax.scan(body, x, ws)[0]
+
+    ws = jax.ShapeDtypeStruct((5, 64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    compiled = jax.jit(f, in_shardings=(NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("data")))
+                       ).lower(ws, x).compile()
+    # Rows split over data (8 of 16), contraction over model (16 of 64): a partial sum per layer.
+    [c] = collectives(compiled.as_text(), mesh)
+    assert (c.kind, c.axes, c.count, c.nbytes) == ("all-reduce", ("model",), 5.0, 8 * 64 * 4)
+    assert dot_flops(compiled.as_text())["f32"] == 5 * 2 * 8 * 16 * 64
