@@ -39,6 +39,7 @@ class Collective:
     group_size: int
     count: float                   # how many times it runs per step
     name: str
+    emitted: str = ""              # the HLO op, where the audit reads it as another kind (see below)
 
     def comm(self) -> Comm:
         return Comm(self.kind, self.axes, self.nbytes)
@@ -158,8 +159,36 @@ def dot_flops(hlo_text: str) -> dict[str, float]:
     return out
 
 
-def collectives(hlo_text: str, mesh) -> list[Collective]:
-    """Every collective of a compiled module, with its trip-count multiplicity."""
+def _element_name(lines: list[str], name: str, index: int) -> str | None:
+    """The get-tuple-element that reads element ``index`` of tuple ``name``."""
+    pattern = re.compile(r"get-tuple-element\(%" + re.escape(name) + r"\), index=" + str(index) + r"\b")
+    for ln in lines:
+        if pattern.search(ln):
+            d = _DEF.match(ln)
+            return d.group(1) if d else None
+    return None
+
+
+def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int) -> bool:
+    """True when every user of ``name`` keeps at most 1/``factor`` of it (a slice of a reduction)."""
+    users = [ln for ln in lines if re.search(r"[(, ]%" + re.escape(name) + r"[,)]", ln)]
+    if not users:
+        return False
+    for ln in users:
+        d = _DEF.match(ln)
+        if d is None or _shape_bytes(d.group(2)) * factor > nbytes * 1.01:
+            return False
+    return True
+
+
+def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) -> list[Collective]:
+    """Every collective of a compiled module, with its trip-count multiplicity.
+
+    The CPU backend emits a reduce-scatter as an all-reduce whose users keep only their slice;
+    with ``read_cpu_reduce_scatter`` such an all-reduce is reported as the reduce-scatter a GPU or
+    TPU compile emits (``emitted='all-reduce'`` says so), so that CPU audits price what the
+    accelerator will run.
+    """
     bodies, mult = _computations(hlo_text)
     out = []
     n = int(np.prod(mesh.devices.shape))
@@ -178,5 +207,17 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
             nbytes = _shape_bytes(result)
             if kind == REDUCE_SCATTER:
                 nbytes *= len(group)
-            out.append(Collective(kind, nbytes, _axes_of(group, mesh), len(group), mult.get(comp, 0.0), name))
+            axes, times = _axes_of(group, mesh), mult.get(comp, 0.0)
+            if not (read_cpu_reduce_scatter and kind == ALL_REDUCE and len(group) > 1):
+                out.append(Collective(kind, nbytes, axes, len(group), times, name))
+                continue
+            # Per element (a combined all-reduce is a tuple): does every user keep only its slice?
+            elements = [(name, nbytes)] if not result.startswith("(") else [
+                (_element_name(lines[1:], name, i), _BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d))
+                for i, (dt, dims) in enumerate(_SHAPE.findall(result))]
+            scattered = [b for n, b in elements if n and _users_shrink(lines[1:], n, b, len(group))]
+            if scattered:
+                out.append(Collective(REDUCE_SCATTER, sum(scattered), axes, len(group), times, name, ALL_REDUCE))
+            if nbytes - sum(scattered) > 0:
+                out.append(Collective(ALL_REDUCE, nbytes - sum(scattered), axes, len(group), times, name))
     return out
