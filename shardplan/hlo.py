@@ -111,14 +111,17 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
         elif current is not None:
             bodies[current].append(line)
     mult: dict[str, float] = {}
+    top: set[str] = set()
 
-    def visit(comp: str, times: float) -> None:
+    def visit(comp: str, times: float, is_top: bool = False) -> None:
         mult[comp] = mult.get(comp, 0.0) + times
+        if is_top:
+            top.add(comp)
         for line in bodies.get(comp, [])[1:]:
             w = _WHILE.search(line)
             if w:
                 trip = _TRIP.search(line)
-                visit(w.group(2), times * (int(trip.group(1)) if trip else 1))
+                visit(w.group(2), times * (int(trip.group(1)) if trip else 1), True)
                 continue
             for callees in _CALLS.findall(line):
                 for callee in re.split(r",\s*", callees):
@@ -126,7 +129,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
                     if callee in bodies and callee != comp:
                         visit(callee, times)
     if entry is not None:
-        visit(entry, 1.0)
+        visit(entry, 1.0, True)
+    bodies["__top__"] = sorted(top)   # computations that run as programs, not inside a fusion
     return bodies, mult
 
 
@@ -135,11 +139,69 @@ _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ")
 _PARAM = re.compile(r"([\w.\-]+): (\w+\[[\d,]*\])")
 
 
+_OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(?:,|$)")
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+               "after-all", "partition-id", "replica-id", "iota"}
+
+
+def _real(bodies):
+    return [(c, lines) for c, lines in bodies.items() if c != "__top__"]
+
+
+def _sliced_read(fused: list[str], index: int, full: float) -> float:
+    """Bytes a fusion reads of parameter ``index``: only the slices, if slices are all that use it."""
+    param = next((d.group(1) for ln in fused[1:] if re.search(r"\bparameter\(" + str(index) + r"\)", ln)
+                  for d in [_DEF.match(ln)] if d), None)
+    if param is None:
+        return full
+    users = [ln for ln in fused[1:] if re.search(r"[(, ]%" + re.escape(param) + r"[,)]", ln)]
+    kept = 0.0
+    for ln in users:
+        m = _OP.match(ln)
+        if not m or m.group(3) not in ("dynamic-slice", "slice", "gather") or \
+                not re.search(r"\(%" + re.escape(param) + r"[,)]", ln):
+            return full
+        kept += _shape_bytes(m.group(2))
+    return min(full, kept) if users else full
+
+
+def hbm_bytes(hlo_text: str) -> float:
+    """Bytes per device that the program's top-level ops read and write per step (trip counts
+    included): each fusion or op reads its operands and writes its result once; what happens
+    inside a fusion stays on chip. Collectives are left to :func:`collectives`."""
+    bodies, mult = _computations(hlo_text)
+    total = 0.0
+    for comp in bodies["__top__"]:
+        lines = bodies[comp]
+        shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
+        for line in lines[1:]:
+            d = _DEF.match(line)
+            if d:
+                shapes[d.group(1)] = d.group(2)
+        for line in lines[1:]:
+            m = _OP.match(line)
+            if not m or m.group(3) in _NO_TRAFFIC or any(m.group(3).startswith(k) for k in _KINDS) \
+                    or m.group(3).endswith(("-start", "-done")):
+                continue
+            operands = [_shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", m.group(4))]
+            callee = re.search(r"calls=%?([\w.\-]+)", line)
+            if m.group(3) == "fusion" and callee and callee.group(1) in bodies:
+                operands = [_sliced_read(bodies[callee.group(1)], i, b) for i, b in enumerate(operands)]
+            result = _shape_bytes(m.group(2))
+            if "slice" in m.group(1) or "slice" in m.group(3) or m.group(3) == "gather":
+                operands = [min(b, result) for b in operands]     # a slice reads only what it keeps
+            if "update-slice" in m.group(1) or m.group(3) == "dynamic-update-slice":
+                result = sum(operands[1:2])                       # writes in place: the update only
+                operands = operands[1:]
+            total += mult.get(comp, 0.0) * (result + sum(operands))
+    return total
+
+
 def dot_flops(hlo_text: str) -> dict[str, float]:
     """FLOPs of every dot per device per step, by the dtype of its lhs, trip counts included."""
     bodies, mult = _computations(hlo_text)
     out: dict[str, float] = {}
-    for comp, lines in bodies.items():
+    for comp, lines in _real(bodies):
         shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
         for line in lines[1:]:
             d = _DEF.match(line)
@@ -192,7 +254,7 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
     bodies, mult = _computations(hlo_text)
     out = []
     n = int(np.prod(mesh.devices.shape))
-    for comp, lines in bodies.items():
+    for comp, lines in _real(bodies):
         for line in lines[1:]:
             m = _INSTR.match(line)
             if not m:

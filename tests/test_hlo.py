@@ -50,3 +50,15 @@ def test_collectives_inside_scan_count_trip_times():
     [c] = collectives(compiled.as_text(), mesh, read_cpu_reduce_scatter=False)
     assert (c.kind, c.emitted) == ("all-reduce", "")
     assert dot_flops(compiled.as_text())["f32"] == 5 * 2 * 8 * 16 * 64
+
+
+def test_hbm_bytes_counts_fused_reads_and_writes_and_slices_only_what_they_keep():
+    from shardplan.hlo import hbm_bytes
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    assert hbm_bytes(jax.jit(lambda x: jnp.tanh(x * 2 + 1)).lower(x).compile().as_text()) == 2 * 4096
+
+    def f(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h * w), None), x, ws)[0]
+    text = jax.jit(f).lower(jax.ShapeDtypeStruct((7, 1024), jnp.float32), x).compile().as_text()
+    per_step = 3 * 4096            # read h and one row of ws, write h; not the whole ws each step
+    assert 7 * per_step <= hbm_bytes(text) <= 7 * per_step + 2 * 4096 + 512   # + the copy of x in

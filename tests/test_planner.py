@@ -113,3 +113,17 @@ def test_unknown_primitive_falls_back_with_one_warning():
         out = f(x)
     np.testing.assert_allclose(out, jax.jit(step)(x), rtol=1e-6)
     assert len(f.plan.warnings) == 1
+
+
+def test_gpt_with_tiny_batch_rediscovers_megatron_mlp():
+    ref = reference("gpt-tiny", scan=True, d_model=1024, d_ff=4096, n_heads=16, seq_len=16, vocab=512)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(1, abstract=True)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh("h100-8", axes={"model": 8}),
+                       time_limit=5, memory_budget="200MiB")
+    specs = {r.name: r.partition_spec for r in p.inputs}
+    blocks = "[0]['params']['layers']['blocks']"
+    P = jax.sharding.PartitionSpec
+    assert specs[f"{blocks}['fc']['kernel']"] == P(None, None, "model")     # column parallel
+    assert specs[f"{blocks}['out']['kernel']"] == P(None, "model")          # then row parallel
+    assert specs[f"{blocks}['qkv']['kernel']"] == P(None, None, "model")
+    assert p.cost.comm_s_by_kind["all-reduce"] > 0                           # the row-parallel partial sums
