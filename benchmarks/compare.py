@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-small,gpt3-1.3b")
     ap.add_argument("--batch", default="gpt2-small=64,gpt3-1.3b=16",
                     help="global batch per model, name=size,...")
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--time-limit", type=float, default=30.0)
     args = ap.parse_args()
     print("| model | mesh | plan | predicted step ms | compiled step ms | compiled comm ms | memory GiB/dev "
           "| collectives (count, GiB) | solve s |")

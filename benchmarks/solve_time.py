@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--layers", default="12,24,48,96")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--time-limit", type=float, default=30.0)
     ap.add_argument("--memory-budget", default=None, help="per device, e.g. 80GiB (default: the device's HBM)")
     args = ap.parse_args()
     print(f"| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s | memory/device GiB |")

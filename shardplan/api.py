@@ -96,7 +96,7 @@ class AutoFunction:
     """A train step planned by shardplan; behaves like the result of ``jax.jit``."""
 
     def __init__(self, fn: Callable, *, mesh, memory_budget=None, static_argnums=(), donate_argnums=(),
-                 time_limit: float = 10.0, **jit_kwargs):
+                 time_limit: float = 30.0, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh_spec = _mesh_spec(mesh)
@@ -148,7 +148,7 @@ def auto(fn: Callable, **kwargs) -> AutoFunction: ...
 def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
-def auto(fn=None, *, mesh, memory_budget=None, time_limit: float = 10.0, **jit_kwargs):
+def auto(fn=None, *, mesh, memory_budget=None, time_limit: float = 30.0, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     >>> @shardplan.auto(mesh="h100-8", memory_budget="60GiB", donate_argnums=(0,))   # doctest: +SKIP
@@ -160,7 +160,7 @@ def auto(fn=None, *, mesh, memory_budget=None, time_limit: float = 10.0, **jit_k
 
 
 def plan(fn: Callable, *args, mesh, memory_budget=None, static_argnums: Sequence[int] = (),
-         donate_argnums: Sequence[int] = (), time_limit: float = 10.0) -> Plan:
+         donate_argnums: Sequence[int] = (), time_limit: float = 30.0) -> Plan:
     """Plan ``fn(*args)`` without compiling or allocating; ``args`` may be ``jax.ShapeDtypeStruct``.
 
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP

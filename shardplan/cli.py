@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 60GiB (default: device HBM)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=30.0, help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
     p.add_argument("--activations", type=int, default=20, help="activation rows to print")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     m = sub.add_parser("mesh", help="inspect mesh presets")

@@ -22,7 +22,7 @@ from shardplan.tying import tie, untie
 
 @dataclasses.dataclass(frozen=True)
 class PlannerOptions:
-    time_limit: float = 10.0          # seconds for each ILP solve
+    time_limit: float = 30.0          # CP-SAT deterministic time per solve (~seconds of one core); wall cap 2x
     relative_gap: float = 0.005       # stop once within this fraction of the best bound
     num_points: int = 12              # memory checkpoints taken from the liveness schedule
     tie_layers: bool = True           # repeated layers share one choice (solved once)
