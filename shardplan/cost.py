@@ -101,19 +101,29 @@ class CostModel:
         """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``.
 
         Slicing is local and comes first (it shrinks what moves); an axis that moves to another
-        dimension is an all-to-all; an axis that leaves is an all-gather.
+        dimension is an all-to-all; an axis that leaves is an all-gather. On a dimension split by
+        several axes (major to minor) only the shared leading axes stay put: keeping a minor axis
+        while dropping a major one reorders the blocks, so that minor axis is gathered and sliced
+        again too.
         """
         if src == dst:
             return []
-        src_dim = {a: d for d, axes in enumerate(src) for a in axes}
-        dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
-        moved = tuple(a for a in self.mesh.axis_names if a in src_dim and a in dst_dim and src_dim[a] != dst_dim[a])
-        gathered = tuple(a for a in self.mesh.axis_names if a in src_dim and a not in dst_dim)
-        sliced = [a for a in self.mesh.axis_names if a in dst_dim and a not in src_dim]
+        kept: dict[str, int] = {}
+        for d, (s, t) in enumerate(zip(src, dst)):
+            for a, b in zip(s, t):
+                if a != b:
+                    break
+                kept[a] = d
+        leaving = {a: d for d, axes in enumerate(src) for a in axes if a not in kept}
+        arriving = {a: d for d, axes in enumerate(dst) for a in axes if a not in kept}
+        moved = tuple(a for a in self.mesh.axis_names if a in leaving and a in arriving and leaving[a] != arriving[a])
+        gathered = tuple(a for a in self.mesh.axis_names
+                         if a in leaving and (a not in arriving or arriving[a] == leaving[a]))
+        sliced = [a for a in self.mesh.axis_names if a in arriving and a not in leaving]
         # Sharding after the local slices: src plus the new axes on their dst dimensions.
         current = [list(axes) for axes in src]
         for a in sliced:
-            current[dst_dim[a]].append(a)
+            current[arriving[a]].append(a)
         comms = []
         size = self.per_device_bytes(shape, itemsize, tuple(tuple(c) for c in current))
         if moved:

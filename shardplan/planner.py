@@ -15,7 +15,7 @@ from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
 from shardplan.rules import apply_rule
 from shardplan.simplify import expand, simplify
 from shardplan.sizes import format_bytes
-from shardplan.solver import SolverStats, peak_memory, solve
+from shardplan.solver import SolverStats, peak_memory, solve, total_cost
 from shardplan.strategies import Enumerator
 from shardplan.tying import tie, untie
 
@@ -73,7 +73,9 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         sol = solve(reduced.problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
                     relative_gap=options.relative_gap)
         if sol is None:
-            _raise_infeasible(graph, enum, reduced, budget_bytes, options)
+            sol = _memory_first(reduced.problem, budget_bytes, options)
+            if sol is None:
+                _raise_infeasible(graph, enum, reduced, budget_bytes, options)
         choice = full_choice(sol)
     stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
     plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree)
@@ -96,6 +98,21 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
             free[key] -= 1
             out.add(t)
     return frozenset(out)
+
+
+def _memory_first(problem, budget_bytes, options):
+    """When the constrained solve finds nothing in time: find a plan that fits first (least peak
+    memory), then search for a cheaper one from it; ``None`` if even the leanest plan does not fit."""
+    lean = solve(problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True)
+    if lean is None or peak_memory(problem, lean.choice) > budget_bytes:
+        return None
+    better = solve(problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
+                   relative_gap=options.relative_gap, hint=lean.choice)
+    if better is not None:
+        return better
+    cost = total_cost(problem, lean.choice)
+    return dataclasses.replace(lean, stats=dataclasses.replace(lean.stats, status="FEASIBLE_LEANEST", objective=cost,
+                                                               bound=0.0, gap=1.0))
 
 
 def _raise_infeasible(graph, enum, reduced, budget_bytes, options):

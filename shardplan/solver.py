@@ -44,7 +44,7 @@ def _int(values: np.ndarray, unit: float) -> list[int]:
 
 def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 30.0,
           minimize_memory: bool = False, workers: int = 2,
-          relative_gap: float = 0.0) -> Solution | None:
+          relative_gap: float = 0.0, hint: list[int] | None = None) -> Solution | None:
     """Solve; ``None`` when no assignment fits ``budget_bytes``.
 
     With ``minimize_memory`` the objective is the peak memory instead (used to report the
@@ -64,7 +64,8 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
             if c:
                 objective.append(c * v)
     offset = sum(float(node.cost.min()) for node in problem.nodes)
-    for (a, b), table in problem.edges.items():
+    # Minimising memory needs no cost terms: leave the edge variables out of that model.
+    for (a, b), table in ([] if minimize_memory else problem.edges.items()):
         lo = float(table.min())
         offset += lo
         table = table - lo
@@ -107,7 +108,9 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
             fixed = (problem.base_memory[p] + sum(float(node.memory[p].min()) for node in problem.nodes))
             exprs.append((terms, fixed))
         if minimize_memory:
-            peak = model.NewIntVar(0, 2**62, "peak")
+            worst = max(problem.base_memory[p] + sum(float(n.memory[p].max()) for n in problem.nodes)
+                        for p in range(len(problem.base_memory)))
+            peak = model.NewIntVar(0, int(np.ceil(worst / mem_unit)) + 1, "peak")
             for terms, fixed in exprs:
                 model.Add(sum(terms) + int(np.ceil(fixed / mem_unit)) <= peak)
         elif budget_bytes is not None:
@@ -118,7 +121,7 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
         model.Minimize(peak)
     else:
         model.Minimize(sum(objective))
-    start_choice = greedy(problem)
+    start_choice = hint if hint is not None else greedy(problem)
     for n, best in enumerate(start_choice):
         for i, v in enumerate(x[n]):
             model.AddHint(v, i == best)
@@ -133,6 +136,8 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     solver.parameters.random_seed = 0
     solver.parameters.relative_gap_limit = relative_gap
     status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:   # a bug of ours, never the user's input: say so loudly
+        raise RuntimeError(f"shardplan built an invalid CP-SAT model: {model.Validate()}")
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = [next(i for i, v in enumerate(vs) if solver.Value(v)) for vs in x]
         status_name = solver.StatusName(status)

@@ -48,3 +48,13 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="memory_budget"):
         parse_bytes(bad)
+
+
+def test_dropping_a_major_axis_gathers_the_minor_one_too():
+    shape = (16, 8)
+    # ('data', 'model') -> ('data',): the minor axis leaves cleanly
+    [c] = M.reshard(shape, 4, (("data", "model"), ()), (("data",), ()))
+    assert (c.kind, c.axes) == (ALL_GATHER, ("model",))
+    # ('data', 'model') -> ('model',): blocks reorder, so both are gathered (then sliced by model)
+    [c] = M.reshard(shape, 4, (("data", "model"), ()), (("model",), ()))
+    assert (c.kind, c.axes, c.nbytes) == (ALL_GATHER, ("data", "model"), 16 * 8 * 4)
