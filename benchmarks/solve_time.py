@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=30.0)
     ap.add_argument("--memory-budget", default=None, help="per device, e.g. 80GiB (default: the device's HBM)")
     args = ap.parse_args()
-    print(f"| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s | memory/device GiB |")
+    print("| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s | memory/device GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in map(int, args.layers.split(",")):
         ref = reference(args.model, scan=args.scan, n_layers=n)

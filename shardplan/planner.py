@@ -57,12 +57,12 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     enum = Enumerator(graph, model, donated_outputs, fixed)
     problem = enum.build()
     tied = tie(problem) if options.tie_layers else None
-    reduced = simplify(tied.problem if tied else problem)
+    solved = tied.problem if tied else problem
+    reduced = simplify(solved)
 
     def full_choice(sol) -> list[int]:
-        choice = expand(reduced, sol.choice, len(reduced_source.nodes))
+        choice = expand(reduced, sol.choice, len(solved.nodes))
         return untie(tied, choice) if tied else choice
-    reduced_source = tied.problem if tied else problem
 
     start = time.perf_counter()
     # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.strategies import Node, Problem
+from shardplan.strategies import Problem
 
 
 @dataclasses.dataclass
