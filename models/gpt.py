@@ -36,9 +36,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
-        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-        heads = lambda t: t.reshape(b, s, self.n_heads, d // self.n_heads)
-        x = x + self.proj(causal_attention(heads(q), heads(k), heads(v)).reshape(b, s, d))
+        # Megatron's fused-QKV layout: the 3*d outputs are head-major ([heads, q|k|v, head_dim]),
+        # so splitting the fused kernel's columns over devices gives each device whole heads.
+        qkv = self.qkv(self.ln1(x)).reshape(b, s, self.n_heads, 3, d // self.n_heads)
+        q, k, v = (jnp.squeeze(t, 3) for t in jnp.split(qkv, 3, axis=3))
+        x = x + self.proj(causal_attention(q, k, v).reshape(b, s, d))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 

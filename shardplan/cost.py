@@ -97,6 +97,13 @@ class CostModel:
     def comms_time(self, comms: Iterable[Comm]) -> float:
         return sum(self.collective_time(c) for c in comms)
 
+    def latency_time(self, comm: Comm) -> float:
+        """The latency part of :meth:`collective_time`: what issuing the collective costs regardless of size."""
+        n = self.shards(comm.axes)
+        if n <= 1 or comm.nbytes <= 0:
+            return 0.0
+        return (2.0 if comm.kind == ALL_REDUCE else 1.0) * (n - 1) * max(self._links[a].latency for a in comm.axes)
+
     def reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
         """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``.
 

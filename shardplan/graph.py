@@ -26,6 +26,11 @@ from jax.extend import core as jcore
 
 Spec = tuple[tuple[str, ...], ...]
 
+# Ops a per-layer gradient may pass through on its way to a scan's stacked output: layout
+# changes, casts and accumulation.
+_ACCUMULATE = {"add", "add_any", "convert_element_type", "reshape", "transpose", "copy", "copy_p",
+               "squeeze", "expand_dims"}
+
 CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
@@ -121,6 +126,11 @@ class Graph:
         self.points: list[list[int]] = []
         self.eqn_outputs: dict[tuple[int, int], int] = {}   # (id(eqn), output index) -> tensor
         self.dot_at: dict[int, int] = {}   # id(eqn) -> index into dots
+        self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
+        self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
+        self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
+        self.current_loop = 0
+        self._loops = 0
         self.warnings: list[str] = []
         self._groups = _UnionFind()
         self._dims = _UnionFind()
@@ -134,6 +144,7 @@ class Graph:
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
         dtype = np.dtype(getattr(aval, "dtype", np.float32))
         self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult))
+        self.loop_of.append(self.current_loop)
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
         for _ in shape:
@@ -179,6 +190,34 @@ class Graph:
 
     def pinned_classes(self) -> set[int]:
         return {self._dims.find(k) for k in self._pinned}
+
+    def feeds_stacked_output(self, tid: int) -> bool:
+        """Whether ``tid``, made in a scan body, only flows into a tensor the scan stacks into an output.
+
+        Such a tensor is a per-layer gradient on its way to the stacked gradient. Every path from
+        it inside the body passes only through layout and accumulation ops; nothing else in the
+        body reads it, so its reduction is independent of every other one in the body, and XLA's
+        collective combiners merge them all into one collective per trip.
+        """
+        loop = self.loop_of[tid]
+        if not loop:
+            return False
+        stack, seen, reached = [tid], {tid}, False
+        while stack:
+            t = stack.pop()
+            reached |= t in self.stacked
+            if t not in self.stacked and not self.readers.get(t):
+                return False      # a body output that is carried to the next trip, not stacked
+            for prim, outs in self.readers.get(t, []):
+                if prim not in _ACCUMULATE:
+                    return False
+                for o in outs:
+                    if self.loop_of[o] != loop:
+                        return False
+                    if o not in seen:
+                        seen.add(o)
+                        stack.append(o)
+        return reached
 
     def groups(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -248,6 +287,9 @@ class _Walker:
                     g.eqn_outputs[(id(eqn), j)] = t
                     outs.append(t)
                 self.rules(g, eqn, ins, outs, mult)
+            for t in ins:
+                if t is not None:
+                    g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))
             for v, t in zip(eqn.outvars, outs):
                 env[v] = t
             level.defined.append([t for t in outs if t is not None])
@@ -287,7 +329,12 @@ class _Walker:
                     g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
                     g.pin(t, 0)
                 body_in.append(bt)
+            outer, g._loops = g.current_loop, g._loops + 1
+            g.current_loop = g._loops
+            for bt in body_in:
+                g.loop_of[bt] = g.current_loop
             body_out = self._inner(body, body_in, mult * length, level, i)
+            g.current_loop = outer
             for k, (bt, t) in enumerate(zip(body_out, outs)):
                 if bt is None:
                     continue
@@ -298,6 +345,7 @@ class _Walker:
                 elif g.tensors[t].rank:
                     g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
                     g.pin(t, 0)
+                    g.stacked[bt] = length
         elif prim == "while":
             p = eqn.params
             cn, bn = p["cond_nconsts"], p["body_nconsts"]

@@ -231,14 +231,25 @@ def _element_name(lines: list[str], name: str, index: int) -> str | None:
     return None
 
 
-def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int) -> bool:
-    """True when every user of ``name`` keeps at most 1/``factor`` of it (a slice of a reduction)."""
+def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int,
+                  bodies: dict[str, list[str]] | None = None) -> bool:
+    """True when every user of ``name`` keeps at most 1/``factor`` of it (a slice of a reduction).
+
+    A user is a slice whose result is that small, or a fusion that reads only such slices of it
+    (for instance the dynamic-update-slice that stores one layer's gradient shard in a scan).
+    """
     users = [ln for ln in lines if re.search(r"[(, ]%" + re.escape(name) + r"[,)]", ln)]
     if not users:
         return False
     for ln in users:
-        d = _DEF.match(ln)
-        if d is None or _shape_bytes(d.group(2)) * factor > nbytes * 1.01:
+        m, d = _OP.match(ln), _DEF.match(ln)
+        callee = re.search(r"calls=%?([\w.\-]+)", ln)
+        if m and m.group(3) == "fusion" and callee and bodies and callee.group(1) in bodies:
+            operands = re.findall(r"%([\w.\-]+)", m.group(4))
+            kept = sum(_sliced_read(bodies[callee.group(1)], i, nbytes) for i, o in enumerate(operands) if o == name)
+            if kept * factor > nbytes * 1.01:
+                return False
+        elif d is None or _shape_bytes(d.group(2)) * factor > nbytes * 1.01:
             return False
     return True
 
@@ -277,7 +288,7 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
             elements = [(name, nbytes)] if not result.startswith("(") else [
                 (_element_name(lines[1:], name, i), _BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d))
                 for i, (dt, dims) in enumerate(_SHAPE.findall(result))]
-            scattered = [b for n, b in elements if n and _users_shrink(lines[1:], n, b, len(group))]
+            scattered = [b for n, b in elements if n and _users_shrink(lines[1:], n, b, len(group), bodies)]
             if scattered:
                 out.append(Collective(REDUCE_SCATTER, sum(scattered), axes, len(group), times, name, ALL_REDUCE))
             if nbytes - sum(scattered) > 0:

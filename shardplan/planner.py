@@ -149,9 +149,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     bytes_by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     by_axis = dict.fromkeys(mesh.axis_names, 0.0)
 
-    def account(comms, mult, tid):
-        for c in comms:
-            s = model.collective_time(c) * mult
+    def account(priced, mult, tid):
+        for c, s in priced:
             by_kind[c.kind] += s
             bytes_by_kind[c.kind] += c.nbytes * mult
             for a in c.axes:

@@ -85,6 +85,7 @@ class Enumerator:
         self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
         self._reshard_memo: dict[tuple, float] = {}
+        self.combined = self.combined_reductions()
 
     # -- options ---------------------------------------------------------------------------------
     def group_classes(self, root: int) -> list[int]:
@@ -176,22 +177,51 @@ class Enumerator:
             self._reshard_memo[key] = self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
         return self._reshard_memo[key]
 
-    def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[Comm]:
+    def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
+        """The collectives of one op edge, each with its seconds per step."""
         if edge.required is not None:
             t = self.g.tensors[edge.src]
-            return self.m.reshard(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec))
+            return self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec)), edge.mult)
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
-        return self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
+        return self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec),
+                           edge.mult, reduces=edge.dst)
 
-    def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[Comm]:
+    def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
+        """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
         req_l, req_r, prod, partial, _ = self.dot_specs(dot, option)
-        comms = []
+        out = []
         for tid, have, need in ((dot.lhs, lhs_spec, req_l), (dot.rhs, rhs_spec, req_r)):
             t = self.g.tensors[tid]
-            comms += self.m.reshard(t.shape, t.dtype.itemsize, have, need)
+            out += self.priced(self.m.reshard(t.shape, t.dtype.itemsize, have, need), dot.mult)
         t = self.g.tensors[dot.out]
-        return comms + self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec)
+        return out + self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec),
+                                 dot.mult, reduces=dot.out)
+
+    def combined_reductions(self) -> dict[int, int]:
+        """Partial sums XLA reduces in one combined collective per loop trip -> how many share it.
+
+        In a scan over layers every per-layer gradient that only flows into the stacked gradient
+        (:meth:`Graph.feeds_stacked_output`) is independent of the others, and XLA's all-reduce
+        and reduce-scatter combiners merge their reductions into one tuple-shaped collective per
+        trip. Each then pays 1/k of one collective's latency, k being how many share the trip.
+        """
+        g = self.g
+        made = [d.out for d in g.dots] + [e.dst for e in g.edges if e.produced is not None]
+        members = [t for t in dict.fromkeys(made) if g.feeds_stacked_output(t)]
+        per_loop: dict[int, int] = {}
+        for t in members:
+            per_loop[g.loop_of[t]] = per_loop.get(g.loop_of[t], 0) + 1
+        return {t: per_loop[g.loop_of[t]] for t in members}
+
+    def priced(self, comms: list[Comm], mult: float, reduces: int | None = None) -> list[tuple[Comm, float]]:
+        """Seconds per step of ``comms`` issued ``mult`` times a step.
+
+        ``reduces`` names the tensor whose partial sum they reduce: when that reduction is merged
+        with others (see :meth:`combined_reductions`), it pays only its share of the latency.
+        """
+        k = self.combined.get(reduces, 1) if reduces is not None else 1
+        return [(c, mult * (self.m.collective_time(c) - (1 - 1 / k) * self.m.latency_time(c))) for c in comms]
 
     def dot_compute(self, dot, option) -> float:
         req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
@@ -274,9 +304,9 @@ class Enumerator:
                 for j, d in enumerate(spec_of[e.dst]):
                     key = (s, d)
                     if key not in cache:
-                        cache[key] = self.m.comms_time(self.edge_comms(e, s, d))
+                        cache[key] = sum(sec for _, sec in self.edge_comms(e, s, d))
                     table[i, j] = cache[key]
-            add_table(a, b, e.mult * table)
+            add_table(a, b, table)
 
         node_of_dot: dict[int, int] = {}
         for k, dot in enumerate(g.dots):
@@ -299,10 +329,11 @@ class Enumerator:
                         if key not in cache:
                             if role == "out":
                                 t = g.tensors[tid]
-                                cache[key] = self.m.comms_time(
-                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have))
+                                cache[key] = sum(sec for _, sec in self.priced(
+                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have),
+                                    dot.mult, reduces=tid))
                             else:
-                                cache[key] = self.reshard_time(tid, have, key[0])
+                                cache[key] = dot.mult * self.reshard_time(tid, have, key[0])
                         table[i, j] = cache[key]
-                add_table(node, other, dot.mult * table)
+                add_table(node, other, table)
         return Problem(nodes, edges, base_memory, node_of_group, node_of_dot)

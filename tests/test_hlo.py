@@ -62,3 +62,23 @@ def test_hbm_bytes_counts_fused_reads_and_writes_and_slices_only_what_they_keep(
     text = jax.jit(f).lower(jax.ShapeDtypeStruct((7, 1024), jnp.float32), x).compile().as_text()
     per_step = 3 * 4096            # read h and one row of ws, write h; not the whole ws each step
     assert 7 * per_step <= hbm_bytes(text) <= 7 * per_step + 2 * 4096 + 512   # + the copy of x in
+
+
+def test_cpu_all_reduce_stored_as_a_slice_in_a_scan_reads_as_reduce_scatter():
+    """A sharded stacked gradient: on CPU each trip all-reduces the layer's gradient and a fusion
+    stores only this device's slice of it; a GPU compile emits a reduce-scatter there."""
+    mesh = make_jax_mesh(("data",), (8,))
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h ** 2)
+
+    ws, x = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    f = jax.jit(jax.grad(loss), in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+                out_shardings=NamedSharding(mesh, P(None, "data")))
+    text = f.lower(ws, x).compile().as_text()
+    grads = [c for c in collectives(text, mesh) if c.nbytes == 64 * 64 * 4]
+    assert grads and all(c.kind == "reduce-scatter" for c in grads), grads
+    assert sum(c.count for c in grads) == 4
+    raw = [c for c in collectives(text, mesh, read_cpu_reduce_scatter=False) if c.nbytes == 64 * 64 * 4]
+    assert raw and all(c.kind == "all-reduce" for c in raw)

@@ -127,3 +127,35 @@ def test_gpt_with_tiny_batch_rediscovers_megatron_mlp():
     assert specs[f"{blocks}['out']['kernel']"] == P(None, "model")          # then row parallel
     assert specs[f"{blocks}['qkv']['kernel']"] == P(None, None, "model")
     assert p.cost.comm_s_by_kind["all-reduce"] > 0                           # the row-parallel partial sums
+
+
+def test_tight_memory_with_tensor_parallel_gives_megatron_sequence_parallel():
+    """Megatron-SP: with the layers column/row split over 'model' and activations crowding the
+    budget, the residual stream (the norm and residual regions) is split along the sequence,
+    and the row-parallel partial sums become reduce-scatters (with all-gathers before the
+    column-parallel dots) instead of all-reduces. The planned step still trains like the
+    unsharded one."""
+    ref = reference("gpt-tiny", scan=True, d_model=1024, n_heads=8, d_ff=4096, seq_len=1024, vocab=256)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(1, abstract=True)
+    mesh = shardplan.load_mesh("h100-8", axes={"model": 8})
+    loose = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5)
+    budget = int(loose.cost.memory_bytes * 0.5)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=budget)
+    P = jax.sharding.PartitionSpec
+    specs = {r.name: r.partition_spec for r in p.inputs}
+    blocks = "[0]['params']['layers']['blocks']"
+    assert specs[f"{blocks}['qkv']['kernel']"] == specs[f"{blocks}['fc']['kernel']"] == P(None, None, "model")
+    assert specs[f"{blocks}['proj']['kernel']"] == specs[f"{blocks}['out']['kernel']"] == P(None, "model")
+    residual = [r for r in p.activations if r.shape == (1, 1024, 1024)]
+    on_sequence = [r for r in residual if r.partition_spec == P(None, "model")]
+    assert len(on_sequence) >= 0.9 * len(residual), [str(r.partition_spec) for r in residual]
+    kinds = p.cost.comm_bytes_by_kind
+    assert kinds["reduce-scatter"] > 0 and kinds["all-gather"] > 0
+    assert kinds["all-reduce"] < 0.1 * kinds["reduce-scatter"]
+
+    concrete = ref.init(jax.random.key(0)), ref.batch(1)
+    expected = jax.jit(ref.train_step)(*concrete)[1]["loss"]
+    planned = shardplan.auto(ref.train_step, mesh=mesh, time_limit=5, memory_budget=budget)
+    got = planned(*concrete)[1]["loss"]
+    assert planned.plan.input_specs() == p.input_specs()
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
