@@ -1,5 +1,7 @@
 """The ``shardplan`` command line: ``shardplan plan`` plans a reference model on a mesh preset;
-``shardplan mesh list|show`` inspects presets. Errors print one line and exit 2, no traceback."""
+``shardplan audit`` also compiles the planned step on fake devices and holds the prediction
+against the compiled HLO; ``shardplan mesh list|show`` inspects presets. Errors print one line and
+exit 2, no traceback."""
 
 from __future__ import annotations
 
@@ -44,7 +46,29 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _cmd_mesh(args) -> int:
+def _cmd_audit(args) -> int:
+    import shardplan
+    mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:    # fake CPU devices for the compile
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={mesh.num_devices}".strip()
+    import jax
+    from models.train import reference
+    ref = reference(args.model, scan=args.scan)
+    print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
+          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on {jax.devices()[0].platform} devices ...",
+          file=sys.stderr, flush=True)
+    state = jax.eval_shape(ref.init, jax.random.key(0))
+    batch = ref.batch(args.batch, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
+                       time_limit=args.time_limit)
+    compiled = f.lower(state, batch).compile()
+    report = f.plan.audit(compiled)
+    print(report.table())
+    return 1 if report.divergences() else 0
+
+
+def _cmd_mesh(args, extra: list[str]) -> int:
     import shardplan
     from shardplan.cost import ALL_REDUCE, Comm, CostModel
     if args.mesh_cmd == "list":
@@ -52,14 +76,56 @@ def _cmd_mesh(args) -> int:
             m = shardplan.load_mesh(name)
             print(f"{name:<12} {m.num_devices:>5} x {m.device.name:<26} axes {dict(zip(m.axis_names, m.axis_sizes))}")
         return 0
+    if args.mesh_cmd == "validate":
+        m = shardplan.load_mesh(args.path)
+        print(f"{args.path}: valid: {m.name}, {m.num_devices} x {m.device.name}, "
+              f"axes {dict(zip(m.axis_names, m.axis_sizes))}")
+        return 0
+    if args.mesh_cmd == "new":
+        return _mesh_new(args, extra)
     m = shardplan.load_mesh(args.name)
     model = CostModel(m)
+    nodes = m.num_devices // m.devices_per_node
+    cut = m.inter_node_link if nodes > 1 else m.intra_node_link
     print(json.dumps({"name": m.name, "device": m.device.name, "peak_flops": dict(m.device.peak_flops),
                       "hbm_bytes": m.device.hbm_bytes, "hbm_bandwidth": m.device.hbm_bandwidth,
+                      "devices": m.num_devices, "devices_per_node": m.devices_per_node, "nodes": nodes,
+                      "bisection_bandwidth": m.num_devices / 2 * cut.bandwidth,
                       "axes": [{"name": a.name, "size": a.size, "link": a.link.name, "bandwidth": a.link.bandwidth,
                                 "latency": a.link.latency,
                                 "all_reduce_1GiB_s": model.collective_time(Comm(ALL_REDUCE, (a.name,), 2**30))}
                                for a in m.axes], "source": m.source}, indent=1))
+    return 0
+
+
+def _mesh_new(args, extra: list[str]) -> int:
+    import re
+    import shardplan
+    from shardplan.mesh import hybrid_axes, write_mesh
+    ici, dcn = {}, {}
+    it = iter(extra)
+    for flag in it:
+        match = re.fullmatch(r"--(ici|dcn)-(\w+)", flag)
+        value = next(it, None)
+        if not match or value is None or not re.fullmatch(r"-1|\d+", value):
+            raise ValueError(f"unexpected argument {flag!r}{'' if value is None else ' ' + value}: write "
+                             "parallelism as --ici-AXIS N and --dcn-AXIS N (N a positive integer or -1)")
+        (ici if match.group(1) == "ici" else dcn)[match.group(2)] = int(value)
+    if not ici and not dcn:
+        raise ValueError("give the logical axes as --ici-AXIS N (inside a node) and --dcn-AXIS N (across nodes), "
+                         "e.g. --ici-data 2 --ici-model 4 --dcn-data 2")
+    base = shardplan.load_mesh(args.hardware)
+    nodes = args.nodes if args.nodes is not None else base.num_devices // base.devices_per_node
+    per_node = args.devices_per_node or base.devices_per_node
+    axes = hybrid_axes(ici, dcn, per_node, nodes)
+    import dataclasses
+    from shardplan.mesh import Axis
+    flat = (Axis("_nodes", nodes, base.inter_node_link), Axis("_local", per_node, base.intra_node_link))
+    spec = dataclasses.replace(base, name=args.name, devices_per_node=per_node, axes=flat,
+                               source=f"hardware of preset {base.name}: {base.source}").with_axes(axes)
+    write_mesh(spec, args.out)
+    print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}, axes {axes}, "
+          f"links {[a.link.name for a in spec.axes]}", file=sys.stderr)
     return 0
 
 
@@ -76,16 +142,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=30.0, help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
     p.add_argument("--activations", type=int, default=20, help="activation rows to print")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
+                                     "HLO (exit 1 when a figure diverges)")
+    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--memory-budget", "--time-limit"):
+        action = next(x for x in p._actions if flag in x.option_strings)
+        kwargs = dict(default=action.default, help=action.help)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            a.add_argument(flag, type=action.type, **kwargs)
     m = sub.add_parser("mesh", help="inspect mesh presets")
     msub = m.add_subparsers(dest="mesh_cmd", required=True)
     msub.add_parser("list", help="list the presets")
     show = msub.add_parser("show", help="print a preset or file with derived figures")
     show.add_argument("name")
-    args = parser.parse_args(argv)
+    val = msub.add_parser("validate", help="check a mesh file (one line per problem, exit 2 when bad)")
+    val.add_argument("path")
+    new = msub.add_parser("new", help="write a mesh file from MaxText-style flags: --ici-AXIS N --dcn-AXIS N "
+                                      "(one -1 per kind is filled in from the device count)")
+    new.add_argument("--hardware", default="h100-8", help="preset whose device and links to use")
+    new.add_argument("--name", default="custom", help="name of the new mesh")
+    new.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
+    new.add_argument("--devices-per-node", type=int, default=None, help="default: the preset's")
+    new.add_argument("--out", required=True, help="path of the mesh file to write")
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.cmd == "mesh" and args.mesh_cmd == "new"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from shardplan.errors import ShardplanError
     try:
-        return _cmd_plan(args) if args.cmd == "plan" else _cmd_mesh(args)
-    except (ShardplanError, ValueError, KeyError) as e:
+        if args.cmd == "mesh":
+            return _cmd_mesh(args, extra)
+        return {"plan": _cmd_plan, "audit": _cmd_audit}[args.cmd](args)
+    except (ShardplanError, ValueError, KeyError, OSError) as e:
         print(f"shardplan: error: {e}", file=sys.stderr)
         return 2
 

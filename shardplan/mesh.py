@@ -192,7 +192,7 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
     nodes = _positive(topo["nodes"], "topology.nodes", source, int)
     link_of = {}
     for k in ("intra_node_link", "inter_node_link"):
-        if topo[k] not in links:
+        if not isinstance(topo[k], str) or topo[k] not in links:
             raise MeshConfigError(f"names link {topo[k]!r}, which is not under [links]; "
                                   f"defined: {', '.join(links)}", source=source, key=f"topology.{k}")
         link_of[k] = links[topo[k]]
@@ -268,6 +268,85 @@ def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int
     resource = _preset_dir() / f"{text_source}.toml"
     data = tomllib.loads(resource.read_text())
     return mesh_from_dict(data, source=f"preset {text_source}", axes=axes)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def to_toml(spec: MeshSpec) -> str:
+    """A mesh file (the schema of meshes/README.md, a comment on every key) for ``spec``."""
+    d = spec.device
+    links = {spec.intra_node_link.name: spec.intra_node_link, spec.inter_node_link.name: spec.inter_node_link}
+    nodes = spec.num_devices // spec.devices_per_node
+    lines = [f"# {spec.name}: {spec.num_devices} x {d.name}",
+             f"name = {_toml_value(spec.name)}",
+             f"source = {_toml_value(spec.source)}", "",
+             "[device]",
+             f"name = {_toml_value(d.name)}",
+             "peak_flops = { " + ", ".join(f"{k} = {float(v)!r}" for k, v in d.peak_flops.items())
+             + " }  # FLOP/s per dtype, dense matmul",
+             f"hbm_bytes = {int(d.hbm_bytes)}  # bytes of HBM per device",
+             f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s", ""]
+    for name, link in links.items():
+        lines += [f"[links.{name}]",
+                  f"bandwidth = {float(link.bandwidth)!r}  # bytes/s per device per direction",
+                  f"latency = {float(link.latency)!r}  # seconds per ring step", ""]
+    lines += ["[topology]",
+              f"devices_per_node = {spec.devices_per_node}  # devices joined by the intra-node link",
+              f"nodes = {nodes}  # nodes joined by the inter-node link",
+              f"intra_node_link = {_toml_value(spec.intra_node_link.name)}  # link of axes inside a node",
+              f"inter_node_link = {_toml_value(spec.inter_node_link.name)}  # link of axes that cross nodes", ""]
+    for a in spec.axes:
+        lines += ["[[axes]]  # a logical mesh axis; axes are listed major to minor",
+                  f"name = {_toml_value(a.name)}", f"size = {a.size}", ""]
+    return "\n".join(lines)
+
+
+def write_mesh(spec: MeshSpec, path: str | os.PathLike) -> None:
+    """Write ``spec`` as a mesh file; it is validated by loading it back, and replaces ``path`` only then."""
+    text = to_toml(spec)
+    mesh_from_dict(tomllib.loads(text), source=str(path))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def hybrid_axes(ici: Mapping[str, int], dcn: Mapping[str, int], devices_per_node: int,
+                nodes: int) -> dict[str, int]:
+    """MaxText-style ``ici_*``/``dcn_*`` parallelism to logical axes, as ``create_hybrid_device_mesh`` lays them.
+
+    Each axis gets size dcn x ici, its DCN (inter-node) part major. One ``-1`` among the ICI sizes
+    is filled from the devices per node, one among the DCN sizes from the node count.
+    """
+    def fill(sizes: Mapping[str, int], total: int, what: str) -> dict[str, int]:
+        sizes = dict(sizes)
+        unknown = [k for k, v in sizes.items() if v == -1]
+        if len(unknown) > 1:
+            raise MeshConfigError(f"only one {what} size may be -1, got {', '.join(unknown)}", key=what)
+        bad = [k for k, v in sizes.items() if v != -1 and v < 1]
+        if bad:
+            raise MeshConfigError(f"{what} size of axis {bad[0]!r} must be a positive integer or -1", key=what)
+        known = math.prod(v for v in sizes.values() if v != -1)
+        if unknown:
+            if total % known:
+                raise MeshConfigError(f"{what} sizes {sizes} cannot fill {total}: {known} does not divide it", key=what)
+            sizes[unknown[0]] = total // known
+        if math.prod(sizes.values()) != total:
+            raise MeshConfigError(f"{what} sizes {sizes} multiply to {math.prod(sizes.values())}, but there are "
+                                  f"{total}; make them multiply to {total} (or use -1 for one)", key=what)
+        return sizes
+    ici = fill(ici, devices_per_node, "ici")
+    dcn = fill(dcn, nodes, "dcn")
+    names = list(dict.fromkeys([*dcn, *ici]))
+    # Axes with an inter-node part first (major), so every ICI-only axis stays inside a node.
+    names.sort(key=lambda a: 0 if dcn.get(a, 1) > 1 else 1)
+    return {a: dcn.get(a, 1) * ici.get(a, 1) for a in names}
 
 
 def mesh_from_jax(mesh: jax.sharding.Mesh, hardware: str | MeshSpec = "cpu-8") -> MeshSpec:

@@ -48,6 +48,7 @@ class PredictedCost:
     comm_bytes_by_kind: dict[str, float]
     memory_bytes: float                   # peak per device: arguments + live intermediates
     memory_bytes_by_role: dict[str, float]  # arguments only: "params", "opt_state", "batch", ...
+    comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)  # split evenly over a collective's axes
 
     @property
     def comm_s(self) -> float:
@@ -79,6 +80,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -103,6 +105,14 @@ class Plan:
     def out_shardings(self, mesh: jax.sharding.Mesh | None = None):
         """A pytree of ``NamedSharding`` mirroring the step's outputs."""
         return self._tree(self.outputs, self.out_tree, mesh or self.jax_mesh())
+
+    def audit(self, compiled, mesh=None):
+        """Hold this plan's predictions against a compiled program of its step (:mod:`shardplan.audit`).
+
+        ``mesh`` (a ``MeshSpec``) prices the compiled collectives; default: the mesh it was planned on.
+        """
+        from shardplan.audit import audit_step
+        return audit_step(self, compiled, mesh)
 
     def input_specs(self) -> list[tuple[str, PartitionSpec]]:
         return [(r.name, r.partition_spec) for r in self.inputs]

@@ -148,6 +148,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     bytes_by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     by_axis = dict.fromkeys(mesh.axis_names, 0.0)
+    bytes_by_axis = dict.fromkeys(mesh.axis_names, 0.0)
 
     def account(priced, mult, tid):
         for c, s in priced:
@@ -155,6 +156,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             bytes_by_kind[c.kind] += c.nbytes * mult
             for a in c.axes:
                 by_axis[a] += s / len(c.axes)
+                bytes_by_axis[a] += c.nbytes * mult / len(c.axes)
             cost_of[tid] += s
 
     for e in graph.edges:
@@ -192,10 +194,10 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     acts = tuple(row(t.id, "activation") for t in graph.tensors if t.rank and t.id not in seen)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
-                         memory_bytes_by_role=by_role)
+                         memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, cost=cost, solver=stats,
                 fingerprint=graph_fingerprint(graph), warnings=tuple(graph.warnings),
-                in_tree=in_tree, out_tree=out_tree)
+                in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)
 
 

@@ -184,8 +184,14 @@ class Enumerator:
             return self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec)), edge.mult)
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
-        return self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec),
-                           edge.mult, reduces=edge.dst)
+        if edge.primitive.startswith("scatter") and partial:
+            # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
+            # not turn them into a reduce-scatter.
+            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, produced) + \
+                self.m.reshard(t.shape, t.dtype.itemsize, produced, dst_spec)
+        else:
+            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
+        return self.priced(comms, edge.mult, reduces=edge.dst)
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""

@@ -1,0 +1,170 @@
+"""Hold a plan's predictions against what XLA compiled: collectives, dot FLOPs and memory.
+
+>>> compiled = train_step.lower(abstract_state, abstract_batch).compile()   # doctest: +SKIP
+>>> print(train_step.plan.audit(compiled).table())                          # doctest: +SKIP
+
+The compiled side is read from the HLO text (:mod:`shardplan.hlo`): every collective with its
+bytes per device, the mesh axes its replica groups span and its trip count, priced on the plan's
+mesh with the same formulas as the prediction. Memory is ``memory_analysis`` argument + output +
+temp - alias per device.
+
+Compiling on CPU (fake devices) differs from a GPU or TPU compile in known ways, which the audit
+names in ``notes`` rather than hiding: the CPU backend emits a reduce-scatter as an all-reduce
+whose users keep only their slice (read here as the reduce-scatter an accelerator emits), and it
+runs bf16 collectives in f32 (compiled bytes of bf16 tensors are doubled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardplan.cost import COLLECTIVE_KINDS, CostModel
+from shardplan.hlo import COLLECTIVE_PERMUTE, Collective, collectives, dot_flops
+from shardplan.mesh import MeshSpec
+from shardplan.sizes import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRow:
+    """Predicted against compiled for one collective kind (or one mesh axis, or memory)."""
+
+    name: str
+    predicted_bytes: float
+    compiled_bytes: float
+    predicted_s: float
+    compiled_s: float
+    compiled_count: float = 0.0
+
+    def bytes_error(self) -> float:
+        """Relative error of the predicted bytes; 0 when both are zero, inf when only one is."""
+        if self.compiled_bytes == 0:
+            return 0.0 if self.predicted_bytes == 0 else float("inf")
+        return (self.predicted_bytes - self.compiled_bytes) / self.compiled_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+    """A plan's prediction against one compiled program. Build with :func:`audit`."""
+
+    platform: str
+    collectives: tuple[Collective, ...]
+    by_kind: tuple[AuditRow, ...]
+    by_axis: tuple[AuditRow, ...]
+    memory: AuditRow                 # bytes per device: predicted peak vs memory_analysis
+    dot_flops: dict[str, float]      # per device per step, by HLO dtype
+    notes: tuple[str, ...]
+
+    @property
+    def comm_bytes(self) -> tuple[float, float]:
+        """(predicted, compiled) collective bytes per device per step."""
+        return sum(r.predicted_bytes for r in self.by_kind), sum(r.compiled_bytes for r in self.by_kind)
+
+    def comm_error(self) -> float:
+        p, c = self.comm_bytes
+        return 0.0 if c == 0 and p == 0 else float("inf") if c == 0 else (p - c) / c
+
+    def memory_error(self) -> float:
+        return self.memory.bytes_error()
+
+    def divergences(self, comm_tolerance: float = 0.05, memory_tolerance: float = 0.15) -> list[str]:
+        """One line per figure whose prediction is off by more than the tolerance."""
+        out = []
+        p, c = self.comm_bytes
+        if abs(self.comm_error()) > comm_tolerance:
+            out.append(f"collective bytes: predicted {format_bytes(p)}, compiled {format_bytes(c)} "
+                       f"({self.comm_error():+.1%}, tolerance {comm_tolerance:.0%})")
+        for r in self.by_kind:
+            if max(r.predicted_bytes, r.compiled_bytes) > comm_tolerance * max(c, 1.0) and \
+                    abs(r.bytes_error()) > comm_tolerance:
+                out.append(f"{r.name}: predicted {format_bytes(r.predicted_bytes)}, compiled "
+                           f"{format_bytes(r.compiled_bytes)} ({r.bytes_error():+.1%})")
+        if abs(self.memory_error()) > memory_tolerance:
+            out.append(f"memory per device: predicted {format_bytes(self.memory.predicted_bytes)}, compiled "
+                       f"{format_bytes(self.memory.compiled_bytes)} ({self.memory_error():+.1%}, "
+                       f"tolerance {memory_tolerance:.0%})")
+        return out
+
+    def table(self) -> str:
+        """Prediction against compiled per collective kind, per mesh axis, and for memory."""
+        head = f"{'':<22}{'predicted':>14}{'compiled':>14}{'error':>9}{'pred ms':>10}{'comp ms':>10}{'runs':>8}"
+        lines = [f"audit against the compiled program ({self.platform})", head, "-" * len(head)]
+
+        def fmt(r: AuditRow, runs=True):
+            err = r.bytes_error()
+            err_s = "" if r.predicted_bytes == r.compiled_bytes == 0 else "n/a" if err == float("inf") else f"{err:+.1%}"
+            return (f"{r.name:<22}{format_bytes(r.predicted_bytes):>14}{format_bytes(r.compiled_bytes):>14}"
+                    f"{err_s:>9}{r.predicted_s * 1e3:>10.3f}{r.compiled_s * 1e3:>10.3f}"
+                    f"{(f'{r.compiled_count:.0f}' if runs else ''):>8}")
+        lines += [fmt(r) for r in self.by_kind]
+        p, c = self.comm_bytes
+        lines.append(fmt(AuditRow("all collectives", p, c, sum(r.predicted_s for r in self.by_kind),
+                                  sum(r.compiled_s for r in self.by_kind),
+                                  sum(r.compiled_count for r in self.by_kind))))
+        lines += [fmt(dataclasses.replace(r, name=f"axis {r.name}"), runs=False) for r in self.by_axis]
+        lines.append(fmt(self.memory, runs=False))
+        flops = ", ".join(f"{k} {v / 1e12:.3f} TFLOP" for k, v in self.dot_flops.items()) or "none"
+        lines.append(f"dot FLOPs per device per step: {flops}")
+        lines += [f"note: {n}" for n in self.notes]
+        div = self.divergences()
+        lines += [f"DIVERGES: {d}" for d in div] or ["no divergence beyond 5% (collective bytes) / 15% (memory)"]
+        return "\n".join(lines)
+
+
+def compiled_memory(compiled) -> float:
+    """Bytes per device a compiled program holds: argument + output + temp - alias."""
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None = None) -> Audit:
+    """Compare ``plan`` with ``compiled`` (a ``jax.stages.Compiled``), pricing both on ``mesh``."""
+    jax_mesh = jax_mesh if jax_mesh is not None else plan.jax_mesh()
+    if platform is None:
+        platform = jax_mesh.devices.flat[0].platform
+    text = compiled.as_text()
+    comms = tuple(collectives(text, jax_mesh))
+    model = CostModel(mesh)
+    bytes_k = dict.fromkeys(COLLECTIVE_KINDS + (COLLECTIVE_PERMUTE,), 0.0)
+    secs_k, runs_k = dict(bytes_k), dict(bytes_k)
+    secs_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
+    bytes_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
+    for c in comms:
+        s = model.collective_time(c.comm()) * c.count if c.kind in COLLECTIVE_KINDS else 0.0
+        bytes_k[c.kind] += c.nbytes * c.count
+        secs_k[c.kind] += s
+        runs_k[c.kind] += c.count
+        for a in c.axes:
+            secs_a[a] += s / len(c.axes)
+            bytes_a[a] += c.nbytes * c.count / len(c.axes)
+    cost = plan.cost
+    by_kind = tuple(AuditRow(k, cost.comm_bytes_by_kind.get(k, 0.0), bytes_k[k], cost.comm_s_by_kind.get(k, 0.0),
+                             secs_k[k], runs_k[k])
+                    for k in bytes_k if bytes_k[k] or cost.comm_bytes_by_kind.get(k, 0.0))
+    by_axis = tuple(AuditRow(a, cost.comm_bytes_by_axis.get(a, 0.0), bytes_a[a], cost.comm_s_by_axis.get(a, 0.0),
+                             secs_a[a])
+                    for a in mesh.axis_names)
+    memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(compiled), 0.0, 0.0)
+    notes = []
+    if platform == "cpu":
+        read = [c for c in comms if c.emitted]
+        if read:
+            notes.append(f"CPU compile: {sum(c.count for c in read):.0f} all-reduce runs whose users keep only "
+                         f"their slice are read as the reduce-scatters a GPU/TPU compile emits "
+                         f"({format_bytes(sum(c.nbytes * c.count for c in read))})")
+        if any(r.dtype == "bfloat16" for r in plan.inputs):
+            notes.append("CPU compile: bf16 collectives run in f32, so compiled bytes of bf16 tensors are doubled; "
+                         "audit fp32 models on CPU")
+    if bytes_k[COLLECTIVE_PERMUTE]:
+        notes.append("collective-permutes are listed but not predicted (the planner emits none)")
+    return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes))
+
+
+def audit_step(plan, compiled, mesh: MeshSpec | None = None, jax_mesh: Any = None) -> Audit:
+    """:func:`audit` with the plan's own mesh when it came from a preset."""
+    if mesh is None:
+        mesh = plan.mesh_spec
+    if mesh is None:
+        raise ValueError("this plan does not carry its mesh (it was loaded from JSON); "
+                         "pass mesh=shardplan.load_mesh(...) to audit it")
+    return audit(plan, compiled, mesh, jax_mesh)

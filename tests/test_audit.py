@@ -1,0 +1,37 @@
+"""The audit holds a plan's predicted collectives and memory against the compiled HLO."""
+
+import dataclasses
+
+import jax
+
+import shardplan
+from models.train import reference
+from shardplan.cli import main
+
+
+def test_audit_matches_prediction_on_a_planned_step():
+    ref = reference("gpt-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes={"data": 8}),
+                       donate_argnums=(0,), time_limit=3)
+    compiled = f.lower(state, batch).compile()
+    a = f.plan.audit(compiled)
+    predicted, got = a.comm_bytes
+    assert abs(a.comm_error()) <= 0.05 and not a.divergences(), a.table()
+    # The audit reads every collective of the compiled program and prices it on the plan's mesh.
+    assert sum(c.nbytes * c.count for c in a.collectives) == got > 0
+    assert [r.name for r in a.by_axis] == ["data"]
+    assert abs(a.memory_error()) <= 0.15, a.table()
+    assert "predicted" in a.table() and "memory per device" in a.table()
+    # A divergence is reported, not hidden: claim twice the bytes and the audit flags it.
+    doubled = {k: 2 * v for k, v in f.plan.cost.comm_bytes_by_kind.items()}
+    bad = dataclasses.replace(f.plan, cost=dataclasses.replace(f.plan.cost, comm_bytes_by_kind=doubled))
+    assert any("collective bytes" in d for d in bad.audit(compiled).divergences())
+
+
+def test_audit_command(capsys):
+    rc = main(["audit", "--model", "gpt-tiny", "--mesh", "cpu-8", "--axes", "data=2,model=4", "--batch", "8",
+               "--time-limit", "3"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1)
+    assert "audit against the compiled program" in out and "all collectives" in out

@@ -1,0 +1,124 @@
+"""The command line: mesh list/show/validate/new, a corpus of bad mesh files, and a loader fuzz."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shardplan.cli import main
+from shardplan.errors import MeshConfigError
+from shardplan.mesh import load_mesh, mesh_from_dict, to_toml
+
+GOOD = to_toml(load_mesh("h100-8"))
+
+BAD_FILES = {
+    "unknown_key.toml": (GOOD.replace('name = "h100-8"', 'name = "h100-8"\ncolour = "red"'), r"unknown key 'colour'"),
+    "product.toml": (GOOD.replace("size = 4", "size = 3"), r"multiply to 6"),
+    "bandwidth.toml": (GOOD.replace("bandwidth = 450000000000.0", "bandwidth = -1.0"),
+                       r"\[links.nvlink.bandwidth\] must be a positive number"),
+    "twice.toml": (GOOD.replace('name = "model"', 'name = "data"'), r"named twice"),
+    "no_device.toml": (GOOD.replace("[device]", "[devicex]"), r"unknown key 'devicex'"),
+    "syntax.toml": (GOOD.replace("[topology]", "[topology"), r"is not valid TOML"),
+    "link_name.toml": (GOOD.replace('inter_node_link = "infiniband"', 'inter_node_link = "ib"'), r"names link 'ib'"),
+    "zero_nodes.toml": (GOOD.replace("nodes = 1", "nodes = 0"), r"\[topology.nodes\] must be a positive"),
+    "axis_name.toml": (GOOD.replace('name = "model"', 'name = "mo del"'), r"must be an identifier"),
+    "hbm_string.toml": (GOOD.replace("hbm_bytes = 85899345920", 'hbm_bytes = "80GiB"'), r"\[device.hbm_bytes\]"),
+}
+
+
+def test_good_file_validates(tmp_path, capsys):
+    path = tmp_path / "good.toml"
+    path.write_text(GOOD)
+    assert main(["mesh", "validate", str(path)]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_files_get_one_line_and_exit_2(name, tmp_path, capsys):
+    text, match = BAD_FILES[name]
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["mesh", "validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert name in err
+    import re
+    assert re.search(match, err), err
+
+
+def test_missing_file_is_named():
+    with pytest.raises(MeshConfigError, match="neither a mesh file nor a preset"):
+        load_mesh("/nonexistent/mesh.toml")
+
+
+def test_cli_error_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "mesh", "validate", "/nonexistent.toml"],
+                       capture_output=True, text=True, env={**os.environ, "CI": "true"}, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "shardplan: error:" in r.stderr
+
+
+def test_mesh_new_fills_minus_one_and_writes_a_valid_file(tmp_path):
+    out = tmp_path / "m.toml"
+    assert main(["mesh", "new", "--hardware", "h100-8x8", "--name", "m", "--ici-data", "2", "--ici-model", "-1",
+                 "--dcn-data", "-1", "--out", str(out)]) == 0
+    m = load_mesh(str(out))
+    assert dict(zip(m.axis_names, m.axis_sizes)) == {"data": 16, "model": 4}
+    assert [a.link.name for a in m.axes] == ["infiniband", "nvlink"]
+    assert m.device == load_mesh("h100-8x8").device
+
+
+@pytest.mark.parametrize("flags", [["--ici-model", "3"], ["--ici-a", "-1", "--ici-b", "-1"], ["--bogus", "2"], []])
+def test_mesh_new_bad_flags_leave_no_file(flags, tmp_path, capsys):
+    out = tmp_path / "m.toml"
+    assert main(["mesh", "new", *flags, "--out", str(out)]) == 2
+    assert not os.listdir(tmp_path)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_mesh_show_has_derived_figures(capsys):
+    assert main(["mesh", "show", "h100-8x8"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["bisection_bandwidth"] == 64 / 2 * 50e9
+    assert [a["link"] for a in shown["axes"]] == ["infiniband", "nvlink"]
+    assert shown["axes"][0]["all_reduce_1GiB_s"] > shown["axes"][1]["all_reduce_1GiB_s"]
+
+
+def _mutations(rng, data):
+    """Walk to a random table and delete, retype or rename one of its keys."""
+    node = data
+    while True:
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        if not keys:
+            return
+        k = keys[rng.integers(len(keys))]
+        if isinstance(node[k], (dict, list)) and rng.random() < 0.6:
+            node = node[k]
+            continue
+        choice = rng.integers(4)
+        if choice == 0 and isinstance(node, dict):
+            del node[k]
+        elif choice == 1:
+            node[k] = [None, -1, 0, 1.5, "x", [], {}, True, 10**30][rng.integers(9)]
+        elif choice == 2 and isinstance(node, dict):
+            node["k" + str(rng.integers(100))] = 1
+        else:
+            node[k] = [] if isinstance(node[k], dict) else {}
+        return
+
+
+def test_fuzzed_mesh_files_raise_only_config_errors():
+    import tomllib
+    base = tomllib.loads(GOOD)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        data = copy.deepcopy(base)
+        for _ in range(int(rng.integers(1, 4))):
+            _mutations(rng, data)
+        try:
+            mesh_from_dict(data, source="fuzz")
+        except MeshConfigError:
+            pass
