@@ -4,7 +4,7 @@ import shardplan
 from shardplan.errors import DeviceCountError, MeshConfigError
 from shardplan.mesh import load_mesh, mesh_from_dict
 
-REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "a100-8", "a100-128x8"}
+REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "h200-8", "h200-8x8", "a100-8", "a100-128x8"}
 
 
 def test_presets_resolve():
