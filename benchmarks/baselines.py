@@ -9,6 +9,12 @@ batch, on a mesh with axes ``data`` and ``model``:
 - ``megatron``: Megatron-LM tensor parallel over ``model`` (column-parallel qkv/fc/gate/up,
   row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``.
   Activations are left to XLA's propagation (no explicit sequence-parallel constraints).
+- ``maxtext``: MaxText's default logical-axis rules with ``data`` as its ``fsdp`` axis and
+  ``model`` as its ``tensor`` axis: weights' ``embed`` dimension over ``data`` (FSDP),
+  ``mlp``/``heads``/``vocab`` dimensions over ``model`` (tensor parallel), the batch over
+  ``data``; norms replicated.
+- Megatron 3D (tensor x pipeline x data) needs pipeline parallelism, which shardplan does not
+  have yet: the harness reports it as not runnable.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 COLUMN = ("qkv", "fc", "wq", "wk", "wv", "w_gate", "w_up", "Dense_0", "head")
 ROW = ("proj", "out", "wo", "w_down", "Dense_1")
-BASELINES = ("dp", "fsdp", "megatron")
+BASELINES = ("dp", "fsdp", "megatron", "maxtext")
 
 
 def _keys(path) -> list[str]:
@@ -49,6 +55,8 @@ def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[s
         return P()
     m = axes.get("model", 1)
     leaf = keys[-1]
+    if kind == "maxtext":
+        return _maxtext_spec(keys, shape, axes, lead)
     layer = next((k for k in reversed(keys[:-1]) if not k.isdigit()), "")
 
     def on(d):
@@ -62,6 +70,30 @@ def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[s
     return P()
 
 
+def _maxtext_spec(keys: list[str], shape: tuple[int, ...], axes: dict[str, int], lead: int) -> P:
+    """MaxText's default rules: embed -> fsdp ('data'), mlp/heads/vocab -> tensor ('model')."""
+    leaf = keys[-1]
+    layer = next((k for k in reversed(keys[:-1]) if not k.isdigit()), "")
+    if leaf == "embedding":
+        logical = ("tensor", "fsdp")                     # (vocab, embed)
+    elif leaf in ("wpe",):
+        logical = (None, "fsdp")                         # (seq, embed)
+    elif layer in COLUMN and leaf == "kernel":
+        logical = ("fsdp", "tensor")                     # (embed, mlp|heads|vocab)
+    elif layer in ROW and leaf == "kernel":
+        logical = ("tensor", "fsdp")                     # (mlp|heads, embed)
+    elif layer in COLUMN and leaf == "bias":
+        logical = ("tensor",)
+    else:
+        logical = (None,) * (len(shape) - lead)          # norms, row biases: replicated
+    mesh_axis = {"fsdp": "data", "tensor": "model"}
+    entries = [None] * lead
+    for d, name in enumerate(logical, start=lead):
+        a = mesh_axis.get(name)
+        entries.append(a if a and axes.get(a, 1) > 1 and shape[d] % axes[a] == 0 else None)
+    return P(*entries)
+
+
 def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: bool):
     """(state specs, batch specs) pytrees for baseline ``kind``."""
     if kind not in BASELINES:
@@ -71,7 +103,7 @@ def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: b
         return _param_spec(kind, _keys(path), tuple(x.shape), axes, stacked)
     state_specs = jax.tree_util.tree_map_with_path(state_leaf, abstract_state)
     all_axes = tuple(a for a, n in axes.items() if n > 1)
-    batch_axes = ("data",) if kind == "megatron" else all_axes
+    batch_axes = ("data",) if kind in ("megatron", "maxtext") else all_axes
     batch_axes = tuple(a for a in batch_axes if axes.get(a, 1) > 1)
     spec = P(batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None))
     return state_specs, jax.tree.map(lambda _: spec, batch)

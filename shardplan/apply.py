@@ -1,9 +1,10 @@
 """Apply a plan: re-emit the step's jaxpr with ``with_sharding_constraint`` where the plan says.
 
 The jaxpr is evaluated primitive by primitive (as ``jax.core.eval_jaxpr`` does in jax 0.10); every result
-the plan gives a spec is constrained to it, and the operands of each ``dot_general`` are
-constrained to the specs of the dot's chosen strategy, so XLA's partitioner emits the
-collectives the plan priced. Bodies of ``scan``, ``while``, ``cond`` and ``remat`` are rebuilt
+the plan gives a spec is constrained to it, and the operands and result of each ``dot_general``
+are constrained to the specs of the dot's chosen strategy (the result first to the spec the
+strategy computes, then to the tensor's own), so XLA's partitioner runs the strategy the plan
+priced instead of resharding an operand to suit the result. Bodies of ``scan``, ``while``, ``cond`` and ``remat`` are rebuilt
 with their constraints inside; other calls are inlined.
 """
 
@@ -22,7 +23,7 @@ _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
 
 class _Emitter:
-    def __init__(self, graph: Graph, specs: dict[int, Spec], dot_operands: dict[int, tuple[Spec, Spec]],
+    def __init__(self, graph: Graph, specs: dict[int, Spec], dot_operands: dict[int, tuple[Spec, ...]],
                  mesh: jax.sharding.Mesh):
         self.g = graph
         self.specs = specs
@@ -53,10 +54,11 @@ class _Emitter:
             ins = [read(v) for v in eqn.invars]
             prim, params = eqn.primitive, dict(eqn.params)
             name = prim.name
+            computed = None
             if name == "dot_general":
                 out_tid = self.g.eqn_outputs.get((id(eqn), 0))
                 if out_tid in self.dot_operands:
-                    lhs, rhs = self.dot_operands[out_tid]
+                    lhs, rhs, *computed = self.dot_operands[out_tid]
                     ins = [self.constrain(ins[0], lhs), self.constrain(ins[1], rhs)]
             if name == "scan":
                 params["jaxpr"] = self.rebuild(params["jaxpr"])
@@ -78,6 +80,8 @@ class _Emitter:
                 continue
             with eqn.ctx.manager:
                 outs = prim.bind(*ins, **prim.get_bind_params(params))
+            if computed:
+                outs = self.constrain(outs, computed[0])
             self._store(env, eqn, outs if prim.multiple_results else [outs])
         return [read(v) for v in jaxpr.outvars]
 
@@ -88,7 +92,7 @@ class _Emitter:
 
 
 def constrained_function(closed_jaxpr, graph: Graph, specs: dict[int, Spec],
-                         dot_operands: dict[int, tuple[Spec, Spec]], mesh: jax.sharding.Mesh) -> Callable:
+                         dot_operands: dict[int, tuple[Spec, ...]], mesh: jax.sharding.Mesh) -> Callable:
     """A function of the flat inputs that computes the jaxpr under the plan's constraints."""
     emitter = _Emitter(graph, specs, dot_operands, mesh)
 

@@ -83,6 +83,8 @@ def _cmd_mesh(args, extra: list[str]) -> int:
         return 0
     if args.mesh_cmd == "new":
         return _mesh_new(args, extra)
+    if args.mesh_cmd == "calibrate":
+        return _mesh_calibrate(args)
     m = shardplan.load_mesh(args.name)
     model = CostModel(m)
     nodes = m.num_devices // m.devices_per_node
@@ -95,6 +97,24 @@ def _cmd_mesh(args, extra: list[str]) -> int:
                                 "latency": a.link.latency,
                                 "all_reduce_1GiB_s": model.collective_time(Comm(ALL_REDUCE, (a.name,), 2**30))}
                                for a in m.axes], "source": m.source}, indent=1))
+    return 0
+
+
+def _mesh_calibrate(args) -> int:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:     # CPU: fake devices to measure collectives on
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+    from shardplan.calibrate import calibrate
+    from shardplan.mesh import write_mesh
+    quick = dict(matmul_sizes=(128, 256), copy_bytes=8 * 2**20, collective_bytes=(2**12, 2**16, 2**20), repeats=2) \
+        if args.quick else {}
+    spec = calibrate(base=args.base, axes=_parse_axes(args.axes), name=args.name, **quick)
+    write_mesh(spec, args.out)
+    flops = ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in spec.device.peak_flops.items())
+    print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}; {flops}; memory "
+          f"{spec.device.hbm_bandwidth / 1e9:.1f} GB/s; " + "; ".join(
+              f"{a.name}: {a.link.bandwidth / 1e9:.2f} GB/s, {a.link.latency * 1e6:.1f} us" for a in spec.axes),
+          file=sys.stderr)
     return 0
 
 
@@ -165,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     new.add_argument("--devices-per-node", type=int, default=None, help="default: the preset's")
     new.add_argument("--out", required=True, help="path of the mesh file to write")
+    cal = msub.add_parser("calibrate", help="measure jax.devices() (matmul, memory, all-reduce per mesh axis) "
+                                            "and write a mesh file the planner uses")
+    cal.add_argument("--out", required=True, help="path of the mesh file to write")
+    cal.add_argument("--base", default="cpu-8", help="preset for what is not measured (memory size, topology)")
+    cal.add_argument("--axes", default=None, help="mesh axes to measure, e.g. data=2,model=4 (default: the base's)")
+    cal.add_argument("--name", default=None, help="name of the calibrated mesh")
+    cal.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, noisier)")
+    cal.add_argument("--cpu-devices", type=int, default=8, help="fake CPU devices when XLA_FLAGS sets none")
     args, extra = parser.parse_known_args(argv)
     if extra and not (args.cmd == "mesh" and args.mesh_cmd == "new"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

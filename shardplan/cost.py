@@ -84,15 +84,38 @@ class CostModel:
         return float(n)
 
     # -- collectives --------------------------------------------------------------------------
+    def _levels(self, axes: Sequence[str]) -> list[tuple[int, float, float]]:
+        """The axes grouped by link, fastest first: (devices, bandwidth, latency) per level."""
+        by_link: dict[str, list[str]] = {}
+        for a in axes:
+            by_link.setdefault(self._links[a].name, []).append(a)
+        levels = [(self.shards(group), self._links[group[0]].bandwidth, self._links[group[0]].latency)
+                  for group in by_link.values()]
+        return sorted(levels, key=lambda level: -level[1])
+
     def collective_time(self, comm: Comm) -> float:
-        """Ring formulas with a latency term per step; a multi-axis collective runs at its slowest link."""
+        """Ring formulas with a latency term per step, run hierarchically over the links it spans.
+
+        Over axes on one link: a ring, (n-1)/n of the buffer over its bandwidth plus n-1 latencies
+        (twice both for an all-reduce). Over axes on several links (an axis inside a node and one
+        across nodes) the collective runs level by level, fastest link first, as NCCL and XLA's
+        hierarchical collectives do: each slower level moves the buffer already divided by the
+        faster levels' device count. An all-to-all has no such shortcut and runs at the slowest link.
+        """
         n = self.shards(comm.axes)
         if n <= 1 or comm.nbytes <= 0:
             return 0.0
-        bandwidth = min(self._links[a].bandwidth for a in comm.axes)
-        latency = max(self._links[a].latency for a in comm.axes)
+        if comm.kind == ALL_TO_ALL:
+            bandwidth = min(self._links[a].bandwidth for a in comm.axes)
+            latency = max(self._links[a].latency for a in comm.axes)
+            return (n - 1) / n * comm.nbytes / bandwidth + (n - 1) * latency
         factor = 2.0 if comm.kind == ALL_REDUCE else 1.0
-        return factor * ((n - 1) / n * comm.nbytes / bandwidth + (n - 1) * latency)
+        total, divided = 0.0, 1
+        for size, bandwidth, latency in self._levels(comm.axes):
+            if size > 1:
+                total += (size - 1) / size * comm.nbytes / divided / bandwidth + (size - 1) * latency
+                divided *= size
+        return factor * total
 
     def comms_time(self, comms: Iterable[Comm]) -> float:
         return sum(self.collective_time(c) for c in comms)
@@ -102,7 +125,10 @@ class CostModel:
         n = self.shards(comm.axes)
         if n <= 1 or comm.nbytes <= 0:
             return 0.0
-        return (2.0 if comm.kind == ALL_REDUCE else 1.0) * (n - 1) * max(self._links[a].latency for a in comm.axes)
+        if comm.kind == ALL_TO_ALL:
+            return (n - 1) * max(self._links[a].latency for a in comm.axes)
+        factor = 2.0 if comm.kind == ALL_REDUCE else 1.0
+        return factor * sum((size - 1) * latency for size, _, latency in self._levels(comm.axes))
 
     def reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
         """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``.

@@ -66,6 +66,7 @@ class MeshSpec:
     intra_node_link: Link
     inter_node_link: Link
     source: str = ""
+    calibration: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # how it was measured
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -121,11 +122,11 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
     return jax.make_mesh(tuple(axis_sizes), tuple(axis_names), axis_types=auto, devices=devices[:n])
 
 
-_TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes"}
+_TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
 _DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth"}
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
-_AXIS_KEYS = {"name", "size"}
+_AXIS_KEYS = {"name", "size", "bandwidth", "latency"}   # bandwidth/latency: measured, override the link
 
 
 def _positive(value: Any, key: str, source: str, kind=float) -> Any:
@@ -202,7 +203,7 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
         raw_axes = [{"name": k, "size": v} for k, v in axes.items()]
     if not isinstance(raw_axes, list) or not raw_axes:
         raise MeshConfigError("must be a non-empty list of {name, size}", source=source, key="axes")
-    names, sizes = [], []
+    names, sizes, measured = [], [], {}
     for i, a in enumerate(raw_axes):
         _check_keys(a, _AXIS_KEYS, f"axes[{i}]", source)
         if "name" not in a or "size" not in a:
@@ -214,6 +215,15 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
             raise MeshConfigError(f"axis {a['name']!r} is named twice", source=source, key=f"axes[{i}].name")
         names.append(a["name"])
         sizes.append(_positive(a["size"], f"axes[{i}].size", source, int))
+        if ("bandwidth" in a) != ("latency" in a):
+            raise MeshConfigError("a measured axis needs both 'bandwidth' and 'latency'", source=source, key=f"axes[{i}]")
+        if "bandwidth" in a:
+            lat = a["latency"]
+            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
+                raise MeshConfigError(f"must be a non-negative number, got {lat!r}", source=source,
+                                      key=f"axes[{i}].latency")
+            measured[a["name"]] = Link(f"measured-{a['name']}",
+                                       _positive(a["bandwidth"], f"axes[{i}].bandwidth", source), float(lat))
     total = per_node * nodes
     if math.prod(sizes) != total:
         raise MeshConfigError(
@@ -221,10 +231,17 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
             f"{nodes} node(s) x {per_node} devices = {total}; make the sizes multiply to {total}",
             source=source, key="axes")
     flat = tuple(Axis(f"_d{i}", n, link_of["intra_node_link"]) for i, n in enumerate((nodes, per_node)))
+    calibration = data.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise MeshConfigError("must be a table", source=source, key="calibration")
     base = MeshSpec(name=str(data["name"]), device=device, axes=flat, devices_per_node=per_node,
                     intra_node_link=link_of["intra_node_link"], inter_node_link=link_of["inter_node_link"],
-                    source=str(data.get("source", "")))
-    return base.with_axes(dict(zip(names, sizes)))
+                    source=str(data.get("source", "")), calibration=dict(calibration))
+    spec = base.with_axes(dict(zip(names, sizes)))
+    if measured and axes is None:     # measured links belong to the file's own axes
+        spec = dataclasses.replace(spec, axes=tuple(dataclasses.replace(a, link=measured.get(a.name, a.link))
+                                                    for a in spec.axes))
+    return spec
 
 
 def _preset_dir():
@@ -303,7 +320,15 @@ def to_toml(spec: MeshSpec) -> str:
               f"inter_node_link = {_toml_value(spec.inter_node_link.name)}  # link of axes that cross nodes", ""]
     for a in spec.axes:
         lines += ["[[axes]]  # a logical mesh axis; axes are listed major to minor",
-                  f"name = {_toml_value(a.name)}", f"size = {a.size}", ""]
+                  f"name = {_toml_value(a.name)}", f"size = {a.size}"]
+        if a.link not in (spec.intra_node_link, spec.inter_node_link):
+            lines += [f"bandwidth = {float(a.link.bandwidth)!r}  # measured, bytes/s per device per direction",
+                      f"latency = {float(a.link.latency)!r}  # measured, seconds per ring step"]
+        lines.append("")
+    if spec.calibration:
+        lines.append("[calibration]  # how the measured figures were obtained")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in spec.calibration.items()]
+        lines.append("")
     return "\n".join(lines)
 
 

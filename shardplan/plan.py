@@ -73,7 +73,7 @@ class Plan:
     inputs: tuple[TensorPlan, ...]
     outputs: tuple[TensorPlan, ...]
     activations: tuple[TensorPlan, ...]
-    dot_operands: dict[int, tuple[Spec, Spec]]    # dot output tensor id -> (lhs spec, rhs spec)
+    dot_operands: dict[int, tuple[Spec, ...]]    # dot output tensor id -> (lhs, rhs, computed result) specs
     cost: PredictedCost
     solver: SolverStats
     fingerprint: str
@@ -176,7 +176,7 @@ class Plan:
             mesh_name=data["mesh_name"], axis_names=tuple(data["axis_names"]),
             axis_sizes=tuple(data["axis_sizes"]), inputs=rows(data["inputs"]), outputs=rows(data["outputs"]),
             activations=rows(data["activations"]),
-            dot_operands={int(k): (spec(v[0]), spec(v[1])) for k, v in data["dot_operands"].items()},
+            dot_operands={int(k): tuple(spec(x) for x in v) for k, v in data["dot_operands"].items()},
             cost=PredictedCost(**data["cost"]), solver=SolverStats(**data["solver"]),
             fingerprint=data["fingerprint"], warnings=tuple(data["warnings"]))
 

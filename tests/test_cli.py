@@ -122,3 +122,35 @@ def test_fuzzed_mesh_files_raise_only_config_errors():
             mesh_from_dict(data, source="fuzz")
         except MeshConfigError:
             pass
+
+
+def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import shardplan
+    out = tmp_path / "cal.toml"
+    assert main(["mesh", "calibrate", "--quick", "--axes", "data=2,model=4", "--name", "cal", "--out", str(out)]) == 0
+    assert main(["mesh", "validate", str(out)]) == 0
+    m = load_mesh(str(out))
+    assert m.calibration["devices"] == 8 and m.calibration["platform"] == "cpu"
+    assert {a.link.name for a in m.axes} == {"measured-data", "measured-model"}
+    assert all(a.link.bandwidth > 0 and a.link.latency >= 0 for a in m.axes)
+    assert m.device.peak_flops["float32"] > 1e8 and m.device.hbm_bandwidth > 1e8
+    # The measured links price the collectives.
+    from shardplan.cost import ALL_REDUCE, Comm, CostModel
+    t = CostModel(m).collective_time(Comm(ALL_REDUCE, ("model",), 2**20))
+    link = m.axis("model").link
+    assert t == pytest.approx(2 * (3 / 4 * 2**20 / link.bandwidth + 3 * link.latency))
+    w, x = jnp.ones((64, 64)) / 8, jnp.ones((32, 64))
+    step = shardplan.auto(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w),
+                          mesh=str(out), time_limit=1)
+    np.testing.assert_allclose(step(w, x), w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), rtol=1e-6)
+
+
+def test_fit_ring_recovers_bandwidth_and_latency():
+    from shardplan.calibrate import fit_ring
+    sizes = np.array([2**12, 2**16, 2**20, 2**22])
+    n, bw, lat = 4, 3e9, 5e-5
+    seconds = 2 * (n - 1) * lat + 2 * (n - 1) / n * sizes / bw
+    got_bw, got_lat = fit_ring(sizes, seconds, n)
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)

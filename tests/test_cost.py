@@ -14,6 +14,18 @@ def test_ring_formulas():
     assert M.collective_time(Comm(ALL_GATHER, ("data", "model"), 1e9)) == pytest.approx(7 / 8 * 1e9 / bw + 7 * lat)
 
 
+def test_collectives_across_nodes_run_hierarchically():
+    m = CostModel(load_mesh("h100-8x8"))     # data=8 over InfiniBand, model=8 over NVLink
+    nv, ib, b = (450e9, 3e-6), (50e9, 10e-6), 1e9
+    inner = 7 / 8 * b / nv[0] + 7 * nv[1]
+    outer = 7 / 8 * (b / 8) / ib[0] + 7 * ib[1]            # the slow level moves 1/8 of the buffer
+    assert m.collective_time(Comm(ALL_REDUCE, ("data", "model"), b)) == pytest.approx(2 * (inner + outer))
+    assert m.collective_time(Comm(REDUCE_SCATTER, ("data", "model"), b)) == pytest.approx(inner + outer)
+    assert m.latency_time(Comm(ALL_REDUCE, ("data", "model"), b)) == pytest.approx(2 * (7 * nv[1] + 7 * ib[1]))
+    # An all-to-all has no hierarchical shortcut: it runs at the slowest link.
+    assert m.collective_time(Comm(ALL_TO_ALL, ("data", "model"), b)) == pytest.approx(63 / 64 * b / ib[0] + 63 * ib[1])
+
+
 def test_reshard_kinds():
     shape = (64, 32)
     assert M.reshard(shape, 4, (("model",), ()), (("model",), ())) == []

@@ -1,0 +1,131 @@
+"""Measure the devices ``jax.devices()`` sees and write what the cost model should believe.
+
+``shardplan mesh calibrate`` runs three microbenchmarks and fits the figures the cost model uses:
+
+* matmuls per dtype at a few sizes: achieved FLOP/s (the best size) -> ``device.peak_flops``;
+* a large elementwise pass: bytes read and written per second -> ``device.hbm_bandwidth``;
+* an all-reduce per mesh axis at several buffer sizes, fitted by least squares to the ring
+  formula ``t = 2(n-1) * latency + 2(n-1)/n * bytes / bandwidth`` -> that axis's measured
+  ``bandwidth`` and ``latency``, which override the topology's link for that axis.
+
+The result is a :class:`MeshSpec` on the hardware description of a base preset (memory size,
+topology), with the measured figures and a ``[calibration]`` table saying how they were taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from shardplan.mesh import Device, Link, MeshSpec, load_mesh
+from shardplan.progress import Progress
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()                                    # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        getattr(out, "block_until_ready", lambda: None)()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def fit_ring(sizes: np.ndarray, seconds: np.ndarray, n: int) -> tuple[float, float]:
+    """(bandwidth, latency) of the ring all-reduce ``t = 2(n-1) lat + 2(n-1)/n * bytes / bw`` by least squares.
+
+    Both are kept physical: a non-positive slope means the sizes were too small to see the
+    bandwidth (it is then set from the largest size alone); a negative intercept becomes zero.
+    """
+    steps = 2 * (n - 1)
+    a = np.stack([np.full_like(sizes, steps, dtype=float), steps / n * sizes.astype(float)], axis=1)
+    (latency, inv_bw), *_ = np.linalg.lstsq(a, seconds.astype(float), rcond=None)
+    if inv_bw <= 0:
+        inv_bw = seconds[-1] / (steps / n * sizes[-1])
+        latency = 0.0
+    return float(1.0 / inv_bw), float(max(latency, 0.0))
+
+
+def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None = None, name: str | None = None,
+              matmul_sizes=(256, 512, 1024), dtypes=("float32", "bfloat16"), copy_bytes: int = 64 * 2**20,
+              collective_bytes=(2**12, 2**16, 2**20, 2**22), repeats: int = 5, progress: bool = True) -> MeshSpec:
+    """Measure ``jax.devices()`` and return the calibrated :class:`MeshSpec` (see the module doc)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = jax.devices()
+    spec = base if isinstance(base, MeshSpec) else load_mesh(base)
+    axes = dict(axes) if axes else dict(zip(spec.axis_names, spec.axis_sizes))
+    if int(np.prod(list(axes.values()))) != len(devices):
+        axes = {"data": len(devices)} if len(devices) > 1 else {}
+    if axes and int(np.prod(list(axes.values()))) != spec.num_devices:
+        nodes = max(1, len(devices) // spec.devices_per_node)
+        per_node = len(devices) // nodes
+        spec = dataclasses.replace(spec, devices_per_node=per_node)
+    steps = len(dtypes) * len(matmul_sizes) + 1 + len(axes) * len(collective_bytes)
+    bar = Progress(steps, "calibrate") if progress else None
+    dev = devices[0]
+
+    peak = {}
+    for dtype in dtypes:
+        best = 0.0
+        for n in matmul_sizes:
+            x = jax.device_put(jnp.ones((n, n), dtype), dev)
+            f = jax.jit(lambda a: a @ a)
+            best = max(best, 2 * n ** 3 / _best_time(lambda: f(x), repeats))
+            if bar:
+                bar.step(f"matmul {dtype} {n}x{n}")
+        peak[dtype] = best
+
+    elems = copy_bytes // 4
+    x = jax.device_put(jnp.ones((elems,), jnp.float32), dev)
+    g = jax.jit(lambda a: a * 1.0001 + 1.0)
+    hbm_bandwidth = 2 * copy_bytes / _best_time(lambda: g(x), repeats)     # read + write
+    if bar:
+        bar.step(f"memory pass {copy_bytes >> 20} MiB")
+
+    measured: dict[str, Link] = {}
+    fits = {}
+    if axes:
+        mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+        for axis, size in axes.items():
+            if size == 1:
+                for _ in collective_bytes:
+                    bar and bar.step(f"all-reduce over {axis} (size 1, skipped)")
+                continue
+            times = []
+            for nbytes in collective_bytes:
+                per_device = max(1, nbytes // 4)
+                arr = jax.device_put(jnp.ones((len(devices) * per_device,), jnp.float32),
+                                     NamedSharding(mesh, P(tuple(axes))))
+                f = jax.jit(jax.shard_map(lambda a, axis=axis: jax.lax.psum(a, axis), mesh=mesh,
+                                          in_specs=P(tuple(axes)), out_specs=P(tuple(axes))))
+                times.append(_best_time(lambda: f(arr), repeats))
+                if bar:
+                    bar.step(f"all-reduce over {axis} {nbytes >> 10} KiB")
+            bw, lat = fit_ring(np.array([max(1, b // 4) * 4 for b in collective_bytes]), np.array(times), size)
+            measured[axis] = Link(f"measured-{axis}", bw, lat)
+            fits[f"{axis}_seconds"] = ", ".join(f"{b}B:{t:.3e}" for b, t in zip(collective_bytes, times))
+
+    device = Device(name=str(getattr(dev, "device_kind", dev.platform)),
+                    peak_flops={k: float(v) for k, v in peak.items()},
+                    hbm_bytes=spec.device.hbm_bytes, hbm_bandwidth=float(hbm_bandwidth))
+    out = dataclasses.replace(spec, name=name or f"calibrated-{dev.platform}-{len(devices)}", device=device,
+                              source=f"measured by shardplan mesh calibrate on {len(devices)} x {device.name}; "
+                                     f"memory size and topology from {spec.name}")
+    if axes:
+        out = out.with_axes(axes)
+        out = dataclasses.replace(out, axes=tuple(dataclasses.replace(a, link=measured.get(a.name, a.link))
+                                                  for a in out.axes))
+    out = dataclasses.replace(out, calibration={
+        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "platform": dev.platform, "devices": len(devices), "jax_version": jax.__version__,
+        "matmul_sizes": ", ".join(map(str, matmul_sizes)), "repeats": repeats, **fits})
+    return out
