@@ -4,7 +4,8 @@ import shardplan
 from shardplan.errors import DeviceCountError, MeshConfigError
 from shardplan.mesh import load_mesh, mesh_from_dict
 
-REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "h200-8", "h200-8x8", "a100-8", "a100-128x8"}
+REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "h200-8", "h200-8x8", "a100-8", "a100-128x8",
+                    "tpu-v5e-256", "tpu-v5p-2x512"}
 
 
 def test_presets_resolve():
@@ -12,6 +13,12 @@ def test_presets_resolve():
     for name in REQUIRED_PRESETS:
         m = load_mesh(name)
         assert m.source and m.num_devices == m.devices_per_node * (m.num_devices // m.devices_per_node)
+
+
+def test_tpu_multislice_axis_crosses_dcn():
+    m = load_mesh("tpu-v5p-2x512")
+    assert [a.link.name for a in m.axes] == ["dcn", "ici", "ici"]
+    assert m.device.flops_for("bfloat16") == 459e12
 
 
 def test_cross_node_axis_uses_inter_node_link():
