@@ -1,7 +1,8 @@
 """Predicted against compiled, per plan: collective bytes per device and memory per device.
 
-    python benchmarks/audit_matrix.py [--models gpt-tiny,llama-tiny,mlp-tiny] [--mesh cpu-8]
-        [--axes "data=8;data=2,model=4;data=1,model=8"] [--batch 8]
+    python benchmarks/audit_matrix.py [--models gpt-tiny,llama-tiny,mlp-tiny]
+        [--cells "h100-8:data=2,model=4;h100-8:data=8,model=1;h100-8x8:data=8,model=8;a100-128x8:data=128,model=8"]
+        [--batch 128]
 
 Each cell plans the reference model (scanned, fp32, AdamW), compiles it on fake CPU devices and
 audits it (:mod:`shardplan.audit`). Issue 3's bar: collective bytes within 5%, memory within 15%.
@@ -13,7 +14,7 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=64")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1024")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -26,9 +27,9 @@ from shardplan.sizes import format_bytes  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt-tiny,llama-tiny,mlp-tiny")
-    ap.add_argument("--mesh", default="cpu-8")
-    ap.add_argument("--axes", default="data=8;data=2,model=4;data=1,model=8")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--cells", default="h100-8:data=2,model=4;h100-8:data=8,model=1;h100-8x8:data=8,model=8;"
+                                       "a100-128x8:data=128,model=8", help="preset:axes;... (issue 3's shapes)")
+    ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--time-limit", type=float, default=5.0)
     args = ap.parse_args()
     print("| model | mesh | predicted collectives | compiled collectives | error | predicted memory "
@@ -37,15 +38,16 @@ def main() -> None:
     for name in args.models.split(","):
         ref = reference(name, scan=True)
         state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
-        for text in args.axes.split(";"):
+        for cell in args.cells.split(";"):
+            preset, _, text = cell.partition(":")
             axes = {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
-            mesh = shardplan.load_mesh(args.mesh, axes=axes)
+            mesh = shardplan.load_mesh(preset, axes=axes)
             f = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), time_limit=args.time_limit)
             compiled = f.lower(state, batch).compile()
             a = f.plan.audit(compiled)
             p, c = a.comm_bytes
             ok = abs(a.comm_error()) <= 0.05 and abs(a.memory_error()) <= 0.15
-            print(f"| {name} | {args.mesh} {tuple(axes.values())} | {format_bytes(p)} | {format_bytes(c)} | "
+            print(f"| {name} | {preset} {tuple(axes.values())} | {format_bytes(p)} | {format_bytes(c)} | "
                   f"{a.comm_error():+.1%} | {format_bytes(a.memory.predicted_bytes)} | "
                   f"{format_bytes(a.memory.compiled_bytes)} | {a.memory_error():+.1%} | {'yes' if ok else 'no'} |",
                   flush=True)

@@ -8,7 +8,7 @@ PartitionSpec, priced on a device mesh's cost model and held under a per-device 
 ... def train_step(state, batch): ...
 """
 
-from shardplan.api import AutoFunction, auto, plan
+from shardplan.api import AutoFunction, auto, plan, search_mesh
 from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanMismatchError,
                               ShardplanError)
 from shardplan.mesh import MeshSpec, load_mesh, preset_names
@@ -18,5 +18,5 @@ from shardplan.sizes import parse_bytes
 __all__ = [
     "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "Plan",
     "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan", "auto", "load_mesh", "parse_bytes",
-    "plan", "preset_names",
+    "plan", "preset_names", "search_mesh",
 ]

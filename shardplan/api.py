@@ -173,3 +173,46 @@ def plan(fn: Callable, *args, mesh, memory_budget=None, static_argnums: Sequence
     p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, budget, donated=donated,
                       options=PlannerOptions(time_limit=time_limit), in_tree=in_tree, out_tree=out_tree)
     return p
+
+
+def search_mesh(fn: Callable, *args, hardware, axis_names: Sequence[str] = ("data", "model"), memory_budget=None,
+                static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (), time_limit: float = 30.0):
+    """Let the planner choose the logical mesh shape too.
+
+    ``hardware`` is a preset name, mesh file or :class:`MeshSpec` (its axes are ignored). Every
+    way to factor its device count over ``axis_names`` (major to minor, laid over nodes as
+    :meth:`MeshSpec.with_axes` does) is planned from one trace; the plan with the lowest
+    predicted step time that fits the budget wins. Returns ``(best plan, tried)`` where
+    ``tried`` lists ``(axes, predicted step seconds or None if infeasible, planner seconds)``.
+    """
+    import itertools
+    import math
+    import time
+
+    from shardplan.errors import InfeasibleBudgetError
+    base = _mesh_spec(hardware)
+    n = base.num_devices
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    shapes = [s for s in itertools.product(divisors, repeat=len(axis_names)) if math.prod(s) == n]
+    static = _normalize(static_argnums, len(args))
+    donate = _normalize(donate_argnums, len(args))
+    closed, names, arg_of, donated, _, in_tree, out_tree = trace_step(fn, args, static, donate)
+    best, tried = None, []
+    for shape in shapes:
+        spec = base.with_axes(dict(zip(axis_names, shape)))
+        start = time.perf_counter()
+        try:
+            p, _ = plan_jaxpr(closed, names, arg_of, spec, _budget(memory_budget, spec), donated=donated,
+                              options=PlannerOptions(time_limit=time_limit), in_tree=in_tree, out_tree=out_tree)
+        except InfeasibleBudgetError:
+            tried.append((dict(zip(axis_names, shape)), None, time.perf_counter() - start))
+            continue
+        tried.append((dict(zip(axis_names, shape)), p.cost.step_s, time.perf_counter() - start))
+        if best is None or p.cost.step_s < best.cost.step_s:
+            best = p
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"no mesh shape over {tuple(axis_names)} of {base.name}'s {n} devices fits the budget; "
+            f"tried {[t[0] for t in tried]}", budget_bytes=_budget(memory_budget, base), min_feasible_bytes=None,
+            largest_tensors=[])
+    return best, tried

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel
-from shardplan.hlo import COLLECTIVE_PERMUTE, Collective, collectives, dot_flops
+from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.mesh import MeshSpec
 from shardplan.sizes import format_bytes
 
@@ -125,12 +125,12 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
     text = compiled.as_text()
     comms = tuple(collectives(text, jax_mesh))
     model = CostModel(mesh)
-    bytes_k = dict.fromkeys(COLLECTIVE_KINDS + (COLLECTIVE_PERMUTE,), 0.0)
+    bytes_k = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     secs_k, runs_k = dict(bytes_k), dict(bytes_k)
     secs_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
     bytes_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
     for c in comms:
-        s = model.collective_time(c.comm()) * c.count if c.kind in COLLECTIVE_KINDS else 0.0
+        s = model.collective_time(c.comm()) * c.count
         bytes_k[c.kind] += c.nbytes * c.count
         secs_k[c.kind] += s
         runs_k[c.kind] += c.count
@@ -155,8 +155,6 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
         if any(r.dtype == "bfloat16" for r in plan.inputs):
             notes.append("CPU compile: bf16 collectives run in f32, so compiled bytes of bf16 tensors are doubled; "
                          "audit fp32 models on CPU")
-    if bytes_k[COLLECTIVE_PERMUTE]:
-        notes.append("collective-permutes are listed but not predicted (the planner emits none)")
     return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes))
 
 

@@ -28,14 +28,23 @@ def _cmd_plan(args) -> int:
     import shardplan
     from models.train import reference
 
-    mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
+    search = args.axes == "search"
+    mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
     ref = reference(args.model, scan=args.scan)
     print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, batch {args.batch}) "
           f"on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...", file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
-    plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
-                          donate_argnums=(0,), time_limit=args.time_limit)
+    if search:
+        plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
+                                            memory_budget=args.memory_budget, donate_argnums=(0,),
+                                            time_limit=args.time_limit)
+        for axes, step_s, secs in tried:
+            shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
+            print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
+    else:
+        plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
+                              donate_argnums=(0,), time_limit=args.time_limit)
     print(plan.explain(max_activations=args.activations))
     if args.json:
         tmp = args.json + ".tmp"
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="plan a reference model's train step on a mesh preset or file")
     p.add_argument("--model", default="gpt2-small", help="reference model config (models/train.py MODEL_CONFIGS)")
     p.add_argument("--mesh", default="h100-8", help="preset name or mesh file path")
-    p.add_argument("--axes", default=None, help="override the logical mesh axes, e.g. data=2,model=4")
+    p.add_argument("--axes", default=None, help="override the logical mesh axes, e.g. data=2,model=4; "
+                                                "'search' tries every data x model shape and keeps the best")
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 60GiB (default: device HBM)")

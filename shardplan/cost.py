@@ -25,7 +25,8 @@ ALL_GATHER = "all-gather"
 ALL_REDUCE = "all-reduce"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
-COLLECTIVE_KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL)
+COLLECTIVE_PERMUTE = "collective-permute"
+COLLECTIVE_KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +106,11 @@ class CostModel:
         n = self.shards(comm.axes)
         if n <= 1 or comm.nbytes <= 0:
             return 0.0
-        if comm.kind == ALL_TO_ALL:
+        if comm.kind in (ALL_TO_ALL, COLLECTIVE_PERMUTE):
             bandwidth = min(self._links[a].bandwidth for a in comm.axes)
             latency = max(self._links[a].latency for a in comm.axes)
+            if comm.kind == COLLECTIVE_PERMUTE:       # every device sends its buffer to one other
+                return comm.nbytes / bandwidth + latency
             return (n - 1) / n * comm.nbytes / bandwidth + (n - 1) * latency
         factor = 2.0 if comm.kind == ALL_REDUCE else 1.0
         total, divided = 0.0, 1
@@ -125,19 +128,22 @@ class CostModel:
         n = self.shards(comm.axes)
         if n <= 1 or comm.nbytes <= 0:
             return 0.0
-        if comm.kind == ALL_TO_ALL:
-            return (n - 1) * max(self._links[a].latency for a in comm.axes)
+        if comm.kind in (ALL_TO_ALL, COLLECTIVE_PERMUTE):
+            steps = 1 if comm.kind == COLLECTIVE_PERMUTE else n - 1
+            return steps * max(self._links[a].latency for a in comm.axes)
         factor = 2.0 if comm.kind == ALL_REDUCE else 1.0
         return factor * sum((size - 1) * latency for size, _, latency in self._levels(comm.axes))
 
     def reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
-        """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``.
+        """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``, as XLA emits them.
 
-        Slicing is local and comes first (it shrinks what moves); an axis that moves to another
-        dimension is an all-to-all; an axis that leaves is an all-gather. On a dimension split by
-        several axes (major to minor) only the shared leading axes stay put: keeping a minor axis
-        while dropping a major one reorders the blocks, so that minor axis is gathered and sliced
-        again too.
+        Slicing is local and comes first (it shrinks what moves). On a dimension split by several
+        axes (major to minor) only the shared leading axes stay put. An axis that moves to another
+        dimension is an all-to-all, unless axes of one dimension scatter to several dimensions
+        (XLA then gathers them and slices again). An axis that leaves is an all-gather. Where
+        shards end up on other devices than they start on (an axis kept on its dimension but not
+        in its place, two dimensions trading axes, a dimension trading one axis for another),
+        XLA adds a collective-permute of the shard.
         """
         if src == dst:
             return []
@@ -149,16 +155,28 @@ class CostModel:
                 kept[a] = d
         leaving = {a: d for d, axes in enumerate(src) for a in axes if a not in kept}
         arriving = {a: d for d, axes in enumerate(dst) for a in axes if a not in kept}
-        moved = tuple(a for a in self.mesh.axis_names if a in leaving and a in arriving and leaving[a] != arriving[a])
-        gathered = tuple(a for a in self.mesh.axis_names
-                         if a in leaving and (a not in arriving or arriving[a] == leaving[a]))
-        sliced = [a for a in self.mesh.axis_names if a in arriving and a not in leaving]
+        order = self.mesh.axis_names
+        stay = [a for a in order if a in leaving and arriving.get(a) == leaving[a]]
+        moving = [a for a in order if a in leaving and a in arriving and arriving[a] != leaving[a]]
+        targets: dict[int, set[int]] = {}
+        for a in moving:
+            targets.setdefault(leaving[a], set()).add(arriving[a])
+        scattered = {a for a in moving if len(targets[leaving[a]]) > 1}
+        moved = tuple(a for a in moving if a not in scattered)
+        gathered = tuple(a for a in order if a in leaving and (a not in arriving or a in scattered))
+        sliced = [a for a in order if a in arriving and a not in leaving]
+        pairs = {(leaving[a], arriving[a]) for a in moved}
+        permute = bool(stay) or any((j, i) in pairs for i, j in pairs) or any(
+            leaving[g] == arriving[s] for g in gathered if g not in scattered for s in sliced)
         # Sharding after the local slices: src plus the new axes on their dst dimensions.
         current = [list(axes) for axes in src]
         for a in sliced:
             current[arriving[a]].append(a)
         comms = []
         size = self.per_device_bytes(shape, itemsize, tuple(tuple(c) for c in current))
+        if permute:      # the source shards, sent to the devices that need them
+            comms.append(Comm(COLLECTIVE_PERMUTE, tuple(a for a in order if a in leaving or a in arriving),
+                              self.per_device_bytes(shape, itemsize, src)))
         if moved:
             comms.append(Comm(ALL_TO_ALL, moved, size))
         if gathered:

@@ -1,4 +1,5 @@
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, Comm, CostModel
 from shardplan.mesh import load_mesh
@@ -62,11 +63,42 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
-def test_dropping_a_major_axis_gathers_the_minor_one_too():
+def test_dropping_a_major_axis_gathers_it_and_permutes_the_minor_one():
     shape = (16, 8)
     # ('data', 'model') -> ('data',): the minor axis leaves cleanly
     [c] = M.reshard(shape, 4, (("data", "model"), ()), (("data",), ()))
     assert (c.kind, c.axes) == (ALL_GATHER, ("model",))
-    # ('data', 'model') -> ('model',): blocks reorder, so both are gathered (then sliced by model)
-    [c] = M.reshard(shape, 4, (("data", "model"), ()), (("model",), ()))
-    assert (c.kind, c.axes, c.nbytes) == (ALL_GATHER, ("data", "model"), 16 * 8 * 4)
+    # ('data', 'model') -> ('model',): the blocks of 'model' sit on other devices than they should:
+    # XLA permutes them and gathers 'data' (test_reshard_is_what_xla_compiles checks it on the HLO)
+    kinds = [(c.kind, c.axes, c.nbytes) for c in M.reshard(shape, 4, (("data", "model"), ()), (("model",), ()))]
+    assert kinds == [("collective-permute", ("data", "model"), 2 * 8 * 4), (ALL_GATHER, ("data",), 4 * 8 * 4)]
+
+
+_RESHARDS = [
+    (P(("data", "model")), P("data", None, "model")), (P("model"), P(None, "model")),
+    (P("data", "model"), P("model", "data")), (P(None, None, "model"), P("model")),
+    (P("data", None, "model"), P(("data", "model"))), (P(None, ("data", "model")), P(("data", "model"))),
+    (P("data", "model"), P(None, "model", "data")), (P(None, None, ("data", "model")), P("data", "model")),
+    (P("data", None, "model"), P("data", "model")), (P("data"), P()), (P(("data", "model")), P("model")),
+    (P(("model", "data")), P("data")), (P("data", "model"), P("data")), (P(), P("data")), (P("model"), P("data")),
+]
+
+
+@pytest.mark.parametrize("src, dst", _RESHARDS, ids=[f"{s}->{d}" for s, d in _RESHARDS])
+def test_reshard_is_what_xla_compiles(src, dst):
+    """The resharding model names the collectives (kind, mesh axes, bytes) of the compiled HLO."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from shardplan.cost import from_partition_spec
+    from shardplan.hlo import collectives
+    from shardplan.mesh import make_jax_mesh
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    shape = (16, 32, 64)
+    f = jax.jit(lambda a: a * 2, in_shardings=NamedSharding(mesh, src), out_shardings=NamedSharding(mesh, dst))
+    text = f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+    compiled = sorted((c.kind, c.axes, c.nbytes) for c in collectives(text, mesh))
+    predicted = sorted((c.kind, c.axes, c.nbytes)
+                       for c in M.reshard(shape, 4, from_partition_spec(src, 3), from_partition_spec(dst, 3)))
+    assert predicted == compiled

@@ -159,3 +159,16 @@ def test_tight_memory_with_tensor_parallel_gives_megatron_sequence_parallel():
     got = planned(*concrete)[1]["loss"]
     assert planned.plan.input_specs() == p.input_specs()
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_search_mesh_tries_every_factorisation_and_keeps_the_best():
+    ref = reference("mlp-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(64, abstract=True)
+    p, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware="h100-8", time_limit=3)
+    assert [t[0] for t in tried] == [{"data": 1, "model": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2},
+                                     {"data": 8, "model": 1}]
+    assert p.cost.step_s == min(t[1] for t in tried if t[1] is not None)
+    # On one node the two one-axis meshes are the same hardware: the same predicted step.
+    assert tried[0][1] == pytest.approx(tried[3][1])
+    fixed = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=3)
+    assert p.cost.step_s <= fixed.cost.step_s * (1 + 1e-9)
