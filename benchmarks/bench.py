@@ -1,7 +1,7 @@
 """The benchmark harness: the planner against expert hand plans over models, meshes and budgets.
 
-    python -m benchmarks.bench [--quick] [--cells SUBSTR,...] [--out benchmarks/results] [--plots]
-    shardplan bench ...                      (the same, from a source checkout)
+    python -m benchmarks.bench [--quick] [--cells "SUBSTR;SUBSTR"] [--list] [--out benchmarks/results] [--plots]
+    shardplan bench ...                      (the same)
 
 For each cell (model x mesh x memory budget) it plans, lowers and compiles the planner's plan and
 each baseline (:mod:`benchmarks.baselines`) on fake devices of the cell's size, never executing
@@ -316,7 +316,8 @@ def _write_atomic(path: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardplan bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"only the cells {', '.join(QUICK)} (CI)")
-    ap.add_argument("--cells", default=None, help="comma-separated substrings of cell ids to run")
+    ap.add_argument("--cells", default=None,
+                    help="substrings of cell ids to run, separated by ';' (ids contain commas: 'h100-8(2,4)')")
     ap.add_argument("--list", action="store_true", help="list the cells and exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--plots", action="store_true", help="also draw PNG plots (needs matplotlib)")
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cells = [c for c in CELLS if c.id in QUICK] if args.quick else CELLS
     if args.cells:
-        wanted = args.cells.split(",")
+        wanted = [w.strip() for w in args.cells.split(";") if w.strip()]
         cells = [c for c in cells if any(w in c.id for w in wanted)]
     if args.list or not cells:
         print("\n".join(c.id for c in (cells or CELLS)))
