@@ -40,7 +40,7 @@ import shardplan  # noqa: E402
 from benchmarks.baselines import BASELINES, hand_plan  # noqa: E402
 from models.train import reference  # noqa: E402
 from shardplan.api import trace_step  # noqa: E402
-from shardplan.audit import compiled_memory  # noqa: E402
+from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
 from shardplan.hlo import collectives, dot_flops, hbm_bytes  # noqa: E402
 from shardplan.planner import PlannerOptions, plan_jaxpr  # noqa: E402
@@ -116,19 +116,13 @@ def price_compiled(compiled, mesh_spec, jax_mesh) -> dict:
     """The compiled program's step time priced on ``mesh_spec``, with its parts."""
     model = CostModel(mesh_spec)
     text = compiled.as_text()
-    comm = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
-    count = nbytes = 0.0
-    for c in collectives(text, jax_mesh):
-        if c.kind in comm:
-            comm[c.kind] += model.collective_time(c.comm()) * c.count
-        count += c.count
-        nbytes += c.nbytes * c.count
+    nbytes, comm, runs = price_collectives(collectives(text, jax_mesh), model)
     dtype = {"bf16": "bfloat16", "f16": "float16"}
     compute = sum(f / mesh_spec.device.flops_for(dtype.get(d, "float32")) for d, f in dot_flops(text).items())
     compute += hbm_bytes(text) / mesh_spec.device.hbm_bandwidth
     return dict(compute_ms=compute * 1e3, comm_ms_by_kind={k: v * 1e3 for k, v in comm.items()},
                 compiled_ms=(compute + sum(comm.values())) * 1e3, memory_gib=compiled_memory(compiled) / 2**30,
-                collectives=count, collective_gib=nbytes / 2**30)
+                collectives=sum(runs.values()), collective_gib=sum(nbytes.values()) / 2**30)
 
 
 def _divisible(specs, avals, axes) -> str | None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import jax
 
-from shardplan.errors import PlanMismatchError
+from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
 from shardplan.mesh import MeshSpec, load_mesh, mesh_from_jax
 from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
@@ -185,11 +188,6 @@ def search_mesh(fn: Callable, *args, hardware, axis_names: Sequence[str] = ("dat
     predicted step time that fits the budget wins. Returns ``(best plan, tried)`` where
     ``tried`` lists ``(axes, predicted step seconds or None if infeasible, planner seconds)``.
     """
-    import itertools
-    import math
-    import time
-
-    from shardplan.errors import InfeasibleBudgetError
     base = _mesh_spec(hardware)
     n = base.num_devices
     divisors = [d for d in range(1, n + 1) if n % d == 0]

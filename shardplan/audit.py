@@ -117,6 +117,17 @@ def compiled_memory(compiled) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
+def price_collectives(comms, model: CostModel) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Bytes, seconds and runs per step of compiled collectives, by kind, priced by ``model``."""
+    nbytes = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
+    seconds, runs = dict(nbytes), dict(nbytes)
+    for c in comms:
+        nbytes[c.kind] += c.nbytes * c.count
+        seconds[c.kind] += model.collective_time(c.comm()) * c.count
+        runs[c.kind] += c.count
+    return nbytes, seconds, runs
+
+
 def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None = None) -> Audit:
     """Compare ``plan`` with ``compiled`` (a ``jax.stages.Compiled``), pricing both on ``mesh``."""
     jax_mesh = jax_mesh if jax_mesh is not None else plan.jax_mesh()
@@ -125,17 +136,12 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
     text = compiled.as_text()
     comms = tuple(collectives(text, jax_mesh))
     model = CostModel(mesh)
-    bytes_k = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
-    secs_k, runs_k = dict(bytes_k), dict(bytes_k)
+    bytes_k, secs_k, runs_k = price_collectives(comms, model)
     secs_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
     bytes_a: dict[str, float] = dict.fromkeys(mesh.axis_names, 0.0)
     for c in comms:
-        s = model.collective_time(c.comm()) * c.count
-        bytes_k[c.kind] += c.nbytes * c.count
-        secs_k[c.kind] += s
-        runs_k[c.kind] += c.count
         for a in c.axes:
-            secs_a[a] += s / len(c.axes)
+            secs_a[a] += model.collective_time(c.comm()) * c.count / len(c.axes)
             bytes_a[a] += c.nbytes * c.count / len(c.axes)
     cost = plan.cost
     by_kind = tuple(AuditRow(k, cost.comm_bytes_by_kind.get(k, 0.0), bytes_k[k], cost.comm_s_by_kind.get(k, 0.0),

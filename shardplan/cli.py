@@ -23,6 +23,13 @@ def _parse_axes(text: str | None) -> dict[str, int] | None:
     return out
 
 
+def _fake_cpu_devices(n: int) -> None:
+    """Ask for ``n`` fake CPU devices unless XLA_FLAGS already says how many (before jax starts)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def _cmd_plan(args) -> int:
     import jax
     import shardplan
@@ -58,9 +65,7 @@ def _cmd_plan(args) -> int:
 def _cmd_audit(args) -> int:
     import shardplan
     mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:    # fake CPU devices for the compile
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={mesh.num_devices}".strip()
+    _fake_cpu_devices(mesh.num_devices)      # for the compile
     import jax
     from models.train import reference
     ref = reference(args.model, scan=args.scan)
@@ -110,9 +115,7 @@ def _cmd_mesh(args, extra: list[str]) -> int:
 
 
 def _mesh_calibrate(args) -> int:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:     # CPU: fake devices to measure collectives on
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+    _fake_cpu_devices(args.cpu_devices)      # CPU: fake devices to measure collectives on
     from shardplan.calibrate import calibrate
     from shardplan.mesh import write_mesh
     quick = dict(matmul_sizes=(128, 256), copy_bytes=8 * 2**20, collective_bytes=(2**12, 2**16, 2**20), repeats=2) \

@@ -163,6 +163,16 @@ def _sliced_read(fused: list[str], index: int, full: float) -> float:
     return min(full, kept) if users else full
 
 
+def _shapes(lines: list[str]) -> dict[str, str]:
+    """Name -> shape text of a computation's parameters and instructions."""
+    shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
+    for line in lines[1:]:
+        d = _DEF.match(line)
+        if d:
+            shapes[d.group(1)] = d.group(2)
+    return shapes
+
+
 def hbm_bytes(hlo_text: str) -> float:
     """Bytes per device that the program's top-level ops read and write per step (trip counts
     included): each fusion or op reads its operands and writes its result once; what happens
@@ -171,11 +181,7 @@ def hbm_bytes(hlo_text: str) -> float:
     total = 0.0
     for comp in bodies["__top__"]:
         lines = bodies[comp]
-        shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
-        for line in lines[1:]:
-            d = _DEF.match(line)
-            if d:
-                shapes[d.group(1)] = d.group(2)
+        shapes = _shapes(lines)
         for line in lines[1:]:
             m = _OP.match(line)
             if not m or m.group(3) in _NO_TRAFFIC or any(m.group(3).startswith(k) for k in _KINDS) \
@@ -200,11 +206,7 @@ def dot_flops(hlo_text: str) -> dict[str, float]:
     bodies, mult = _computations(hlo_text)
     out: dict[str, float] = {}
     for comp, lines in _real(bodies):
-        shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
-        for line in lines[1:]:
-            d = _DEF.match(line)
-            if d:
-                shapes[d.group(1)] = d.group(2)
+        shapes = _shapes(lines)
         for line in lines[1:]:
             m = _DOT.search(line)
             if not m:
