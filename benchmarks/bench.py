@@ -12,9 +12,10 @@ device from ``memory_analysis``, collective count and bytes, and the planner's s
 cell the ratio planner / best baseline that fits the budget. Tiny cells also execute on 8 fake
 CPU devices and report the measured step time (labelled CPU).
 
-Budgets: ``hbm`` is the device's memory; ``tight`` is 60% of the planner's peak under ``hbm``
-(forcing more sharding); ``infeasible`` is 1% of it (the planner must say so and name the
-smallest budget that works). Output: a markdown table (stdout and ``OUT/matrix.md``),
+Budgets: ``hbm`` is the device's memory; ``tight`` is halfway between the leanest plan the
+planner finds (least peak memory) and its peak under ``hbm`` (forcing more sharding);
+``infeasible`` is 1% of that peak (the planner must say so and name the smallest budget that
+works). Output: a markdown table (stdout and ``OUT/matrix.md``),
 ``OUT/results.csv`` and ``OUT/results.json``, and with ``--plots`` PNG figures (matplotlib).
 """
 
@@ -159,13 +160,23 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     hbm = mesh_spec.device.hbm_bytes
     budget = hbm
     if cell.budget != "hbm":
+        options = PlannerOptions(time_limit=time_limit)
         try:
-            loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated,
-                                  options=PlannerOptions(time_limit=time_limit))
+            loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options)
             peak = loose.cost.memory_bytes
         except shardplan.InfeasibleBudgetError:
             peak = hbm
-        budget = int(peak * (0.6 if cell.budget == "tight" else 0.01))
+        if cell.budget == "tight":
+            # Halfway between the leanest plan the planner can find and its plan under the device's
+            # memory: the plain plans no longer fit, sharding for memory has to be bought with time.
+            try:
+                plan_jaxpr(closed, names, arg_of, mesh_spec, 1, donated=donated, options=options)
+                lean = 0
+            except shardplan.InfeasibleBudgetError as e:
+                lean = e.min_feasible_bytes or 0
+            budget = int(lean + 0.5 * (peak - lean)) if 0 < lean < peak else int(0.6 * peak)
+        else:
+            budget = int(peak * 0.01)
     def concrete():      # a fresh state per run: the steps donate it
         return ref.init(jax.random.key(0)), ref.batch(cell.batch)
     rows = []

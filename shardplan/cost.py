@@ -183,26 +183,53 @@ class CostModel:
             comms.append(Comm(ALL_GATHER, gathered, size * self.shards(gathered)))
         return comms
 
-    def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
-                       partial: Sequence[str], dst: Spec) -> list[Comm]:
-        """Collectives that sum a result that is partial over mesh axes ``partial`` and reshard it to ``dst``.
+    def reduced_spec(self, produced: Spec, partial: Sequence[str], dst: Spec) -> Spec:
+        """The spec a partial sum has once reduced, before any resharding to ``dst``: ``produced``
+        plus the partial axes that ``dst`` shards (those are reduce-scattered onto their dimension)."""
+        return self._reduction(produced, partial, dst)[2] if partial else produced
 
-        A partial axis that ``dst`` shards on a dimension becomes a reduce-scatter; the rest an all-reduce.
-        """
-        if not partial:
-            return self.reshard(shape, itemsize, produced, dst)
+    def _reduction(self, produced: Spec, partial: Sequence[str], dst: Spec):
         dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
         scatter = tuple(a for a in self.mesh.axis_names if a in partial and a in dst_dim)
         reduce = tuple(a for a in self.mesh.axis_names if a in partial and a not in dst_dim)
-        comms = []
         current = [list(axes) for axes in produced]
-        if scatter:
-            comms.append(Comm(REDUCE_SCATTER, scatter, self.per_device_bytes(shape, itemsize, produced)))
-            for a in scatter:
-                current[dst_dim[a]].append(a)
+        for a in scatter:
+            current[dst_dim[a]].append(a)
         current_spec = tuple(tuple(sorted(c, key=self.mesh.axis_names.index)) for c in current)
+        return scatter, reduce, current_spec
+
+    def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
+                       partial: Sequence[str], dst: Spec,
+                       groups: Sequence[Sequence[str]] | None = None) -> list[Comm]:
+        """Collectives that sum a result that is partial over mesh axes ``partial`` and reshard it to ``dst``.
+
+        As XLA's partitioner does it: partial axes that ``dst`` shards on its first such dimension
+        are reduce-scattered onto it; those ``dst`` shards on later dimensions are all-reduced whole
+        before that (then sliced locally); the rest are all-reduced once the result is split.
+        ``groups`` says which partial axes come from which contracting dimension of a dot: with
+        nothing to scatter, XLA all-reduces each dimension's axes on their own, at full size,
+        instead of once over all of them.
+        """
+        if not partial:
+            return self.reshard(shape, itemsize, produced, dst)
+        scatter, reduce, current_spec = self._reduction(produced, partial, dst)
+        comms = []
+        if scatter:
+            full = self.per_device_bytes(shape, itemsize, produced)
+            dim_of = {a: d for d, axes in enumerate(dst) for a in axes}
+            first = min(dim_of[a] for a in scatter)
+            later = tuple(a for a in scatter if dim_of[a] != first)
+            if later:
+                comms.append(Comm(ALL_REDUCE, later, full))
+            comms.append(Comm(REDUCE_SCATTER, tuple(a for a in scatter if dim_of[a] == first), full))
         if reduce:
-            comms.append(Comm(ALL_REDUCE, reduce, self.per_device_bytes(shape, itemsize, current_spec)))
+            nbytes = self.per_device_bytes(shape, itemsize, current_spec)
+            parts = [tuple(a for a in reduce if a in g) for g in (groups or ())]
+            parts = [p for p in parts if p]
+            if scatter or len(parts) < 2 or set().union(*parts) != set(reduce):
+                comms.append(Comm(ALL_REDUCE, reduce, nbytes))
+            else:
+                comms += [Comm(ALL_REDUCE, p, nbytes) for p in parts]
         return comms + self.reshard(shape, itemsize, current_spec, dst)
 
     # -- compute ------------------------------------------------------------------------------

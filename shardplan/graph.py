@@ -112,6 +112,22 @@ class _Level:
     defined: list[list[int]] = dataclasses.field(default_factory=list)   # per eqn, tensors it defines
     last_use: dict[int, int] = dataclasses.field(default_factory=dict)   # tensor -> last eqn index using it
     inner_peak: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # eqn index -> body's peak set
+    made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
+
+
+# Primitives XLA fuses into a loop fusion with their producers: the producer's result is computed
+# inside the consumer's kernel and never stored, if every reader is one of these.
+_FUSIBLE = frozenset("""
+abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp exp2
+expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
+nextafter not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum rem reshape
+round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh transpose xor
+""".split())
+# Results XLA would rather store than recompute in each of several readers (its "expensive" ops).
+_EXPENSIVE = frozenset("""
+cos div erf erf_inv exp exp2 expm1 integer_pow log log1p logistic pow rem rsqrt sin sqrt tan tanh
+""".split())
+_REDUCTIONS = frozenset(("reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum"))
 
 
 class Graph:
@@ -219,6 +235,29 @@ class Graph:
                         stack.append(o)
         return reached
 
+    def feeds_update(self, tid: int) -> bool:
+        """Whether ``tid``, made at the top level, only flows through elementwise work into outputs.
+
+        Such a tensor is a gradient on its way into the optimizer update. No gradient reduction
+        reads another's result, so XLA's collective combiners merge them: like the per-layer
+        reductions of a scan (:meth:`feeds_stacked_output`), they share one collective's latency.
+        """
+        if self.loop_of[tid]:
+            return False
+        outputs = {t for t in self.outputs if t is not None}
+        stack, seen, reached = [tid], {tid}, False
+        while stack:
+            t = stack.pop()
+            reached |= t in outputs
+            for prim, outs in self.readers.get(t, []):
+                if prim not in _FUSIBLE and prim not in _ACCUMULATE and prim not in CALL_PRIMITIVES:
+                    return False
+                for o in outs:
+                    if o not in seen:
+                        seen.add(o)
+                        stack.append(o)
+        return reached
+
     def groups(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for t in self.tensors:
@@ -287,6 +326,8 @@ class _Walker:
                     g.eqn_outputs[(id(eqn), j)] = t
                     outs.append(t)
                 self.rules(g, eqn, ins, outs, mult)
+                for t in outs:
+                    level.made_by[t] = (prim, [x for x in ins if x is not None])
             for t in ins:
                 if t is not None:
                     g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))
@@ -297,7 +338,36 @@ class _Walker:
         for t in outs:
             if t is not None:
                 level.last_use[t] = len(jaxpr.eqns)
+        self._fuse(level, set(outs))
         return outs
+
+    def _fuse(self, level: _Level, kept: set) -> None:
+        """Drop from the liveness schedule the results XLA fuses into their readers.
+
+        A result of an elementwise op (or broadcast, reshape, convert ...) whose readers are all
+        fusible is computed inside each reader's kernel and never stored; its inputs live instead
+        until its last reader. An expensive result read more than once is stored (XLA does not
+        duplicate it). Later results first, so a fused chain hands liveness back to its start.
+        """
+        g = self.g
+        fused = set()
+        for i in range(len(level.defined) - 1, -1, -1):
+            for t in level.defined[i]:
+                made = level.made_by.get(t)
+                if made is None or t in kept or made[0] not in _FUSIBLE or made[0] in _REDUCTIONS:
+                    continue
+                readers = g.readers.get(t, [])
+                if not readers or any(p not in _FUSIBLE for p, _ in readers):
+                    continue
+                if len(readers) > 1 and made[0] in _EXPENSIVE:
+                    continue
+                fused.add(t)
+                end = level.last_use.get(t, i)
+                for x in made[1]:
+                    if x in level.last_use:
+                        level.last_use[x] = max(level.last_use[x], end)
+        if fused:
+            level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
 
     def _fresh(self, mult: float, eqn) -> list[int]:
         outs = []
@@ -310,7 +380,9 @@ class _Walker:
     def _inner(self, body, body_in: list[int | None], mult: float, level: _Level, i: int):
         inner = _Level()
         outs = self.walk(body, body_in, mult, inner)
-        level.inner_peak[i] = _peak(self.g, inner, set(body_in))
+        # Body inputs and outputs are the eqn's operands and results, counted at this level (XLA
+        # writes a scan's per-trip outputs into the stacked result in place).
+        level.inner_peak[i] = _peak(self.g, inner, set(body_in) | set(outs))
         return outs
 
     def _structured(self, eqn, ins, mult, level, i) -> list[int]:

@@ -171,9 +171,9 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         compute += t
         cost_of[dot.out] += t
         req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
-        # The result spec the strategy computes (before any resharding); with a partial sum, the
-        # reduction's target is the tensor's own spec.
-        dot_operands[dot.out] = (req_l, req_r, spec_of[dot.out] if partial else prod)
+        # The result spec the strategy computes, reduced as priced (before any resharding to the
+        # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
+        dot_operands[dot.out] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
     for t in graph.tensors:
         if t.id in enum.traffic and t.rank:
             s = t.mult * enum.traffic[t.id] * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from shardplan.cost import Comm, CostModel, Spec
+from shardplan.cost import ALL_REDUCE, REDUCE_SCATTER, Comm, CostModel, Spec
 from shardplan.graph import Graph
 
 
@@ -161,6 +161,11 @@ class Enumerator:
                 partial += axes
         return tuple(specs[0]), tuple(specs[1]), tuple(specs[2]), partial, tuple(ranks)
 
+    @staticmethod
+    def partial_groups(dot, option) -> tuple[tuple[str, ...], ...]:
+        """The partial-sum axes of one dot option, per contracting dimension."""
+        return tuple(axes for (l, r, o), axes in zip(dot.dims, option) if o is None and axes)
+
     # -- costs -----------------------------------------------------------------------------------
     # Per-instance memo tables (a method-level lru_cache would pin every Enumerator for good).
     def _bytes(self, tid: int, spec: Spec) -> float:
@@ -201,7 +206,8 @@ class Enumerator:
             t = self.g.tensors[tid]
             out += self.priced(self.m.reshard(t.shape, t.dtype.itemsize, have, need), dot.mult)
         t = self.g.tensors[dot.out]
-        return out + self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec),
+        groups = self.partial_groups(dot, option)
+        return out + self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec, groups),
                                  dot.mult, reduces=dot.out)
 
     def combined_reductions(self) -> dict[int, int]:
@@ -210,11 +216,13 @@ class Enumerator:
         In a scan over layers every per-layer gradient that only flows into the stacked gradient
         (:meth:`Graph.feeds_stacked_output`) is independent of the others, and XLA's all-reduce
         and reduce-scatter combiners merge their reductions into one tuple-shaped collective per
-        trip. Each then pays 1/k of one collective's latency, k being how many share the trip.
+        trip; at the top level so are the gradients that only flow into the optimizer update
+        (:meth:`Graph.feeds_update`). Each then pays 1/k of one collective's latency, k being how
+        many share the trip (the top level is loop 0).
         """
         g = self.g
         made = [d.out for d in g.dots] + [e.dst for e in g.edges if e.produced is not None]
-        members = [t for t in dict.fromkeys(made) if g.feeds_stacked_output(t)]
+        members = [t for t in dict.fromkeys(made) if g.feeds_stacked_output(t) or g.feeds_update(t)]
         per_loop: dict[int, int] = {}
         for t in members:
             per_loop[g.loop_of[t]] = per_loop.get(g.loop_of[t], 0) + 1
@@ -227,7 +235,15 @@ class Enumerator:
         with others (see :meth:`combined_reductions`), it pays only its share of the latency.
         """
         k = self.combined.get(reduces, 1) if reduces is not None else 1
-        return [(c, mult * (self.m.collective_time(c) - (1 - 1 / k) * self.m.latency_time(c))) for c in comms]
+        # Only the reduction itself is merged; resharding its result afterwards (an all-gather,
+        # say) is a collective of its own.
+        out = []
+        for c in comms:
+            seconds = self.m.collective_time(c)
+            if c.kind in (ALL_REDUCE, REDUCE_SCATTER):
+                seconds -= (1 - 1 / k) * self.m.latency_time(c)
+            out.append((c, mult * seconds))
+        return out
 
     def dot_compute(self, dot, option) -> float:
         req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
@@ -324,6 +340,7 @@ class Enumerator:
             signature = hash((dot.dims, shapes, dot.source, tuple(options)))
             nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source, signature))
             derived = [self.dot_specs(dot, o) for o in options]
+            groups = [self.partial_groups(dot, o) for o in options]
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
                 other = node_of_group[g.group_of(tid)]
                 table = np.zeros((len(options), len(nodes[other].options)))
@@ -331,12 +348,12 @@ class Enumerator:
                 for i, (req_l, req_r, prod, partial, _) in enumerate(derived):
                     for j, have in enumerate(spec_of[tid]):
                         key = (req_l, have) if role == "lhs" else (req_r, have) if role == "rhs" \
-                            else (prod, partial, have)
+                            else (prod, groups[i], have)
                         if key not in cache:
                             if role == "out":
                                 t = g.tensors[tid]
                                 cache[key] = sum(sec for _, sec in self.priced(
-                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have),
+                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have, groups[i]),
                                     dot.mult, reduces=tid))
                             else:
                                 cache[key] = dot.mult * self.reshard_time(tid, have, key[0])

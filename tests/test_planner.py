@@ -10,6 +10,7 @@ import pytest
 import shardplan
 from models.train import reference
 from shardplan.mesh import Link
+from shardplan.errors import InfeasibleBudgetError
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,18 @@ def test_tiny_batch_huge_layers_gives_tensor_parallel():
     kernels = [r for r in p.inputs if r.role == "params" and r.name.endswith("['kernel']") and "layers" in r.name]
     assert kernels and all("model" in str(r.partition_spec) for r in kernels)
     assert p.cost.memory_bytes <= 200 * 2**20
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_predicted_cost_is_the_solver_objective(scan):
+    """The plan's itemised cost (every collective, each dot, each tensor's traffic) adds up to
+    the objective the ILP minimised: one pricing, used by both."""
+    ref = reference("gpt-tiny", scan=scan)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}),
+                       time_limit=2)
+    assert p.cost.comm_s > 0
+    assert p.cost.step_s == pytest.approx(p.solver.objective, rel=1e-9)
 
 
 def test_plan_round_trips_and_explains():
@@ -139,7 +152,12 @@ def test_tight_memory_with_tensor_parallel_gives_megatron_sequence_parallel():
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(1, abstract=True)
     mesh = shardplan.load_mesh("h100-8", axes={"model": 8})
     loose = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5)
-    budget = int(loose.cost.memory_bytes * 0.5)
+    with pytest.raises(InfeasibleBudgetError) as least:
+        shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=1)
+    # A quarter of the way from the leanest plan to the unconstrained one: activations crowd it.
+    lean = least.value.min_feasible_bytes
+    assert lean < loose.cost.memory_bytes
+    budget = int(lean + 0.25 * (loose.cost.memory_bytes - lean))
     p = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=budget)
     P = jax.sharding.PartitionSpec
     specs = {r.name: r.partition_spec for r in p.inputs}
