@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--cells", default="h100-8:data=2,model=4;h100-8:data=8,model=1;h100-8x8:data=8,model=8;"
                                        "a100-128x8:data=128,model=8", help="preset:axes;... (issue 3's shapes)")
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--time-limit", type=float, default=5.0)
+    ap.add_argument("--time-limit", type=float, default=30.0)
     args = ap.parse_args()
     print("| model | mesh | predicted collectives | compiled collectives | error | predicted memory "
           "| compiled memory | error | within 5% / 15% |")

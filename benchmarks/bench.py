@@ -12,10 +12,10 @@ device from ``memory_analysis``, collective count and bytes, and the planner's s
 cell the ratio planner / best baseline that fits the budget. Tiny cells also execute on 8 fake
 CPU devices and report the measured step time (labelled CPU).
 
-Budgets: ``hbm`` is the device's memory; ``tight`` is halfway between the leanest plan the
-planner finds (least peak memory) and its peak under ``hbm`` (forcing more sharding);
-``infeasible`` is 1% of that peak (the planner must say so and name the smallest budget that
-works). Output: a markdown table (stdout and ``OUT/matrix.md``),
+Budgets: ``hbm`` is the device's memory; ``tight`` is 85% of the memory per device of the
+data-parallel plan's compiled program (the usual starting point no longer fits; where DP cannot
+run, halfway between the planner's leanest plan and its plan under ``hbm``); ``infeasible`` is
+1% of the planner's peak (the planner must say so and name the smallest budget that works). Output: a markdown table (stdout and ``OUT/matrix.md``),
 ``OUT/results.csv`` and ``OUT/results.json``, and with ``--plots`` PNG figures (matplotlib).
 """
 
@@ -107,6 +107,7 @@ class Row:
     collective_gib: float = float("nan")
     solve_s: float = float("nan")
     cpu_step_ms: float = float("nan")     # measured on 8 fake CPU devices (tiny cells)
+    budget_gib: float = float("nan")      # the cell's memory budget per device
 
     @property
     def comm_ms(self) -> float:
@@ -158,25 +159,47 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     jax_mesh = mesh_spec.to_jax_mesh()
     closed, names, arg_of, donated, _, _, _ = trace_step(ref.train_step, (state, batch), (), (0,))
     hbm = mesh_spec.device.hbm_bytes
+    options = PlannerOptions(time_limit=time_limit)
+    flat_avals = jax.tree.leaves((state, batch))
+
+    compiled_baselines: dict[str, tuple] = {}
+
+    def baseline(kind):
+        """(figures, shardings) of a hand plan's compiled program, or (reason it cannot run, None)."""
+        if kind not in compiled_baselines:
+            state_specs, batch_specs = hand_plan(kind, state, batch, axes, stacked=True)
+            flat = jax.tree.leaves((state_specs, batch_specs), is_leaf=lambda x: isinstance(x, PartitionSpec))
+            reason = _divisible(flat, flat_avals, axes)
+            if reason:
+                compiled_baselines[kind] = (f"n/a: {reason}", None, None)
+            else:
+                sh = jax.tree.map(lambda s: NamedSharding(jax_mesh, s), (state_specs, batch_specs),
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+                jitted = jax.jit(ref.train_step, in_shardings=sh, out_shardings=(sh[0], None), donate_argnums=(0,))
+                try:
+                    figures = price_compiled(jitted.lower(state, batch).compile(), mesh_spec, jax_mesh)
+                    compiled_baselines[kind] = (figures, (jitted, sh), flat)
+                except Exception as e:       # a baseline XLA cannot compile: say so, keep going
+                    compiled_baselines[kind] = (f"n/a: compile failed: {str(e).splitlines()[0][:120]}", None, None)
+        return compiled_baselines[kind]
+
     budget = hbm
-    if cell.budget != "hbm":
-        options = PlannerOptions(time_limit=time_limit)
+    if cell.budget == "tight":
+        # The usual starting point no longer fits: 85% of what the data-parallel plan's compiled
+        # program needs per device (or, where DP cannot run, halfway between the planner's
+        # leanest plan and its plan under the device's memory).
+        figures, _, _ = baseline("dp")
+        if isinstance(figures, dict):
+            budget = int(0.85 * figures["memory_gib"] * 2**30)
+        else:
+            budget = _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options)
+    elif cell.budget == "infeasible":
         try:
             loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options)
-            peak = loose.cost.memory_bytes
+            budget = int(loose.cost.memory_bytes * 0.01)
         except shardplan.InfeasibleBudgetError:
-            peak = hbm
-        if cell.budget == "tight":
-            # Halfway between the leanest plan the planner can find and its plan under the device's
-            # memory: the plain plans no longer fit, sharding for memory has to be bought with time.
-            try:
-                plan_jaxpr(closed, names, arg_of, mesh_spec, 1, donated=donated, options=options)
-                lean = 0
-            except shardplan.InfeasibleBudgetError as e:
-                lean = e.min_feasible_bytes or 0
-            budget = int(lean + 0.5 * (peak - lean)) if 0 < lean < peak else int(0.6 * peak)
-        else:
-            budget = int(peak * 0.01)
+            budget = int(hbm * 0.01)
+
     def concrete():      # a fresh state per run: the steps donate it
         return ref.init(jax.random.key(0)), ref.batch(cell.batch)
     rows = []
@@ -202,35 +225,23 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     if bar:
         bar.step(f"{cell.id} shardplan")
 
-    flat_avals = jax.tree.leaves((state, batch))
     for kind in BASELINES:
-        state_specs, batch_specs = hand_plan(kind, state, batch, axes, stacked=True)
-        flat = jax.tree.leaves((state_specs, batch_specs), is_leaf=lambda x: isinstance(x, PartitionSpec))
-        reason = _divisible(flat, flat_avals, axes)
-        if reason:
-            rows.append(Row(cell.id, kind, f"n/a: {reason}"))
+        figures, run, flat = baseline(kind)
+        if not isinstance(figures, dict):
+            rows.append(Row(cell.id, kind, figures))
         else:
             fixed = [from_partition_spec(s, len(a.shape)) for s, a in zip(flat, flat_avals)]
             try:
                 p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated,
-                                  options=PlannerOptions(time_limit=time_limit), fixed_inputs=fixed)
+                                  options=options, fixed_inputs=fixed)
                 predicted = p.cost.step_s * 1e3
             except shardplan.InfeasibleBudgetError:
                 predicted = float("nan")
-            sh = jax.tree.map(lambda s: NamedSharding(jax_mesh, s), (state_specs, batch_specs),
-                              is_leaf=lambda x: isinstance(x, PartitionSpec))
-            jitted = jax.jit(ref.train_step, in_shardings=sh, out_shardings=(sh[0], None), donate_argnums=(0,))
-            try:
-                figures = price_compiled(jitted.lower(state, batch).compile(), mesh_spec, jax_mesh)
-            except Exception as e:       # a baseline XLA cannot compile: say so, keep going
-                rows.append(Row(cell.id, kind, f"n/a: compile failed: {str(e).splitlines()[0][:120]}"))
-                if bar:
-                    bar.step(f"{cell.id} {kind}")
-                continue
             row = Row(cell.id, kind, predicted_ms=predicted, **figures)
             if row.memory_gib * 2**30 > budget:
                 row.status = "over budget"
             if cell.execute:
+                jitted, sh = run
                 c_state, c_batch = concrete()
                 row.cpu_step_ms = _measure_cpu(jitted, jax.device_put(c_state, sh[0]), jax.device_put(c_batch, sh[1]))
             rows.append(row)
@@ -238,7 +249,24 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
             bar.step(f"{cell.id} {kind}")
     for kind, why in NOT_RUNNABLE.items():
         rows.append(Row(cell.id, kind, f"n/a: {why}"))
+    for r in rows:
+        r.budget_gib = budget / 2**30
     return rows
+
+
+def _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options) -> int:
+    """Halfway between the planner's leanest plan and its plan under the device's memory."""
+    try:
+        loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options)
+        peak = loose.cost.memory_bytes
+    except shardplan.InfeasibleBudgetError:
+        peak = hbm
+    try:
+        plan_jaxpr(closed, names, arg_of, mesh_spec, 1, donated=donated, options=options)
+        lean = 0
+    except shardplan.InfeasibleBudgetError as e:
+        lean = e.min_feasible_bytes or 0
+    return int(lean + 0.5 * (peak - lean)) if 0 < lean < peak else int(0.6 * peak)
 
 
 def ratio(rows: list[Row]) -> tuple[float, str]:
@@ -263,10 +291,12 @@ def markdown(all_rows: list[Row]) -> str:
         lines.append(f"| {r.cell} | {r.plan} | {r.status} | {_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
                      f"{_fmt(r.comm_ms) if r.comm_ms_by_kind else ''} | {_fmt(r.memory_gib)} | {coll} | "
                      f"{_fmt(r.solve_s, 1)} | {_fmt(r.cpu_step_ms, 1)} |")
-    lines += ["", "| cell | planner / best baseline (compiled) | best baseline |", "|---|---|---|"]
+    lines += ["", "| cell | budget GiB/dev | planner / best baseline (compiled) | best baseline |",
+              "|---|---|---|---|"]
     for cell in dict.fromkeys(r.cell for r in all_rows):
-        q, best = ratio([r for r in all_rows if r.cell == cell])
-        lines.append(f"| {cell} | {_fmt(q, 3) or 'n/a'} | {best} |")
+        rows = [r for r in all_rows if r.cell == cell]
+        q, best = ratio(rows)
+        lines.append(f"| {cell} | {_fmt(rows[0].budget_gib)} | {_fmt(q, 3) or 'n/a'} | {best} |")
     return "\n".join(lines)
 
 
