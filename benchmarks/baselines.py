@@ -7,8 +7,14 @@ batch, on a mesh with axes ``data`` and ``model``:
 - ``fsdp``: ZeRO-3: every parameter and its optimizer state split over every mesh axis along
   its largest evenly divisible dimension; the batch split over every mesh axis.
 - ``megatron``: Megatron-LM tensor parallel over ``model`` (column-parallel qkv/fc/gate/up,
-  row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``.
-  Activations are left to XLA's propagation (no explicit sequence-parallel constraints).
+  row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``,
+  with Megatron's sequence parallelism inside the ``model`` group: the residual stream (the
+  norm and residual regions) is split along the sequence over ``model``
+  (:func:`activation_rules`, applied through ``models.layers.constrain``), so XLA all-gathers
+  before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
+- ``megatron-tp``: the same weights without the sequence-parallel constraints (activations left
+  to XLA's propagation). It needs more activation memory and, compiled by XLA, is sometimes the
+  faster of the two; both are kept so that neither flatters the planner.
 - ``maxtext``: MaxText's default logical-axis rules with ``data`` as its ``fsdp`` axis and
   ``model`` as its ``tensor`` axis: weights' ``embed`` dimension over ``data`` (FSDP),
   ``mlp``/``heads``/``vocab`` dimensions over ``model`` (tensor parallel), the batch over
@@ -26,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 COLUMN = ("qkv", "fc", "wq", "wk", "wv", "w_gate", "w_up", "Dense_0", "head")
 ROW = ("proj", "out", "wo", "w_down", "Dense_1")
-BASELINES = ("dp", "fsdp", "megatron", "maxtext")
+BASELINES = ("dp", "fsdp", "megatron", "megatron-tp", "maxtext")
 
 
 def _keys(path) -> list[str]:
@@ -94,6 +100,14 @@ def _maxtext_spec(keys: list[str], shape: tuple[int, ...], axes: dict[str, int],
     return P(*entries)
 
 
+def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] | None:
+    """Logical activation name -> mesh axis for baseline ``kind`` (``None``: left to XLA)."""
+    if kind != "megatron":
+        return None
+    return {"batch": "data" if axes.get("data", 1) > 1 else None,
+            "seq": "model" if axes.get("model", 1) > 1 else None, "embed": None}
+
+
 def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: bool):
     """(state specs, batch specs) pytrees for baseline ``kind``."""
     if kind not in BASELINES:
@@ -103,7 +117,7 @@ def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: b
         return _param_spec(kind, _keys(path), tuple(x.shape), axes, stacked)
     state_specs = jax.tree_util.tree_map_with_path(state_leaf, abstract_state)
     all_axes = tuple(a for a, n in axes.items() if n > 1)
-    batch_axes = ("data",) if kind in ("megatron", "maxtext") else all_axes
+    batch_axes = ("data",) if kind in ("megatron", "megatron-tp", "maxtext") else all_axes
     batch_axes = tuple(a for a in batch_axes if axes.get(a, 1) > 1)
     spec = P(batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None))
     return state_specs, jax.tree.map(lambda _: spec, batch)

@@ -22,6 +22,7 @@ run, halfway between the planner's leanest plan and its plan under ``hbm``); ``i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -38,7 +39,8 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from benchmarks.baselines import BASELINES, hand_plan  # noqa: E402
+from benchmarks.baselines import BASELINES, activation_rules, hand_plan  # noqa: E402
+from models.layers import activation_sharding  # noqa: E402
 from models.train import reference  # noqa: E402
 from shardplan.api import trace_step  # noqa: E402
 from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
@@ -175,10 +177,17 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
             else:
                 sh = jax.tree.map(lambda s: NamedSharding(jax_mesh, s), (state_specs, batch_specs),
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
-                jitted = jax.jit(ref.train_step, in_shardings=sh, out_shardings=(sh[0], None), donate_argnums=(0,))
+                # A fresh function per plan: JAX's trace cache must not hand one plan's traced
+                # step (with or without activation constraints) to another.
+                jitted = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None),
+                                 donate_argnums=(0,))
+                rules = activation_rules(kind, axes)
+                context = activation_sharding(jax_mesh, rules) if rules else contextlib.nullcontext()
                 try:
-                    figures = price_compiled(jitted.lower(state, batch).compile(), mesh_spec, jax_mesh)
-                    compiled_baselines[kind] = (figures, (jitted, sh), flat)
+                    with context:
+                        lowered = jitted.lower(state, batch)
+                    figures = price_compiled(lowered.compile(), mesh_spec, jax_mesh)
+                    compiled_baselines[kind] = (figures, (jitted, sh, rules), flat)
                 except Exception as e:       # a baseline XLA cannot compile: say so, keep going
                     compiled_baselines[kind] = (f"n/a: compile failed: {str(e).splitlines()[0][:120]}", None, None)
         return compiled_baselines[kind]
@@ -241,9 +250,11 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
             if row.memory_gib * 2**30 > budget:
                 row.status = "over budget"
             if cell.execute:
-                jitted, sh = run
+                jitted, sh, rules = run
                 c_state, c_batch = concrete()
-                row.cpu_step_ms = _measure_cpu(jitted, jax.device_put(c_state, sh[0]), jax.device_put(c_batch, sh[1]))
+                with activation_sharding(jax_mesh, rules) if rules else contextlib.nullcontext():
+                    row.cpu_step_ms = _measure_cpu(jitted, jax.device_put(c_state, sh[0]),
+                                                   jax.device_put(c_batch, sh[1]))
             rows.append(row)
         if bar:
             bar.step(f"{cell.id} {kind}")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import LayerStack, causal_attention
+from models.layers import LayerStack, causal_attention, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +36,12 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
+        x = constrain(x, ("batch", "seq", "embed"))     # the residual stream (sequence-parallel under Megatron-SP)
         # Megatron's fused-QKV layout: the 3*d outputs are head-major ([heads, q|k|v, head_dim]),
         # so splitting the fused kernel's columns over devices gives each device whole heads.
         qkv = self.qkv(self.ln1(x)).reshape(b, s, self.n_heads, 3, d // self.n_heads)
         q, k, v = (jnp.squeeze(t, 3) for t in jnp.split(qkv, 3, axis=3))
-        x = x + self.proj(causal_attention(q, k, v).reshape(b, s, d))
+        x = constrain(x + self.proj(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 

@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+# Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,
+# Megatron's sequence parallelism); unset, ``constrain`` is the identity and the traced step has
+# no constraints (the planner decides activations itself).
+_ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar("activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: jax.sharding.Mesh, rules: dict[str, str | tuple[str, ...] | None]):
+    """Within this context (while tracing), ``constrain`` pins activations by logical name."""
+    token = _ACTIVATION_RULES.set((mesh, dict(rules)))
+    try:
+        yield
+    finally:
+        _ACTIVATION_RULES.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Pin ``x`` (dimensions named ``names``, e.g. ("batch", "seq", "embed")) if rules are set."""
+    active = _ACTIVATION_RULES.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*(rules.get(n) for n in names))))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import LayerStack, causal_attention
+from models.layers import LayerStack, causal_attention, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +54,12 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
         cfg, hd = self.cfg, d // self.cfg.n_heads
+        x = constrain(x, ("batch", "seq", "embed"))     # the residual stream (sequence-parallel under Megatron-SP)
         h = self.attn_norm(x)
         q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
         k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
         v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
-        x = x + self.wo(causal_attention(q, k, v).reshape(b, s, d))
+        x = constrain(x + self.wo(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
         h = self.mlp_norm(x)
         return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
 

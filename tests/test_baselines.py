@@ -40,3 +40,38 @@ def test_fsdp_shards_largest_dim_over_all_axes_and_dp_replicates(gpt):
 def test_unknown_baseline_is_named():
     with pytest.raises(ValueError, match="unknown baseline 'zero'; choose one of"):
         hand_plan("zero", {}, {}, {"data": 8}, stacked=False)
+
+
+def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
+    """The Megatron baseline splits the residual stream along the sequence over `model`: its
+    compiled step all-gathers and reduce-scatters where plain tensor parallelism all-reduces,
+    and computes the unsharded step's loss."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from benchmarks.baselines import activation_rules
+    from models.layers import activation_sharding
+    from shardplan.hlo import collectives
+    from shardplan.mesh import make_jax_mesh
+    ref = reference("gpt-tiny", scan=True)
+    axes = {"data": 2, "model": 4}
+    mesh = make_jax_mesh(tuple(axes), tuple(axes.values()))
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    specs = hand_plan("megatron", state, batch, axes, stacked=True)
+    sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def kinds(rules):
+        f = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None))
+        if rules is None:
+            return {c.kind for c in collectives(f.lower(state, batch).compile().as_text(), mesh)}
+        with activation_sharding(mesh, rules):
+            return {c.kind for c in collectives(f.lower(state, batch).compile().as_text(), mesh)}
+    assert kinds(None) == {"all-reduce"}
+    assert {"all-gather", "reduce-scatter"} <= kinds(activation_rules("megatron", axes))
+
+    concrete = ref.init(jax.random.key(0)), ref.batch(8)
+    want = jax.jit(ref.train_step)(*concrete)[1]["loss"]
+    with activation_sharding(mesh, activation_rules("megatron", axes)):
+        f = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None))
+        got = f(*jax.device_put(concrete, sh))[1]["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
