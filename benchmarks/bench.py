@@ -87,6 +87,7 @@ def _cells() -> list[Cell]:
     out.append(Cell("gpt3-1.3b", 16, "h100-8", (("data", 2), ("model", 4)), "infeasible"))
     out.append(Cell("gpt3-1.3b", 256, "tpu-v5e-256", (("data", 16), ("model", 16))))
     out.append(Cell("gpt3-175b", 256, "a100-128x8", (("data", 128), ("model", 8))))
+    out.append(Cell("llama3-70b", 128, "a100-128x8", (("data", 128), ("model", 8))))
     return out
 
 
