@@ -19,6 +19,11 @@ _ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar("activation_r
 @contextlib.contextmanager
 def activation_sharding(mesh: jax.sharding.Mesh, rules: dict[str, str | tuple[str, ...] | None]):
     """Within this context (while tracing), ``constrain`` pins activations by logical name."""
+    for name, axes in rules.items():
+        for a in (axes,) if isinstance(axes, str) else axes or ():
+            if a not in mesh.axis_names:
+                raise ValueError(f"activation rule {name!r} names mesh axis {a!r}, which the mesh does not have "
+                                 f"(axes: {', '.join(mesh.axis_names)}); use one of them or None")
     token = _ACTIVATION_RULES.set((mesh, dict(rules)))
     try:
         yield

@@ -186,7 +186,7 @@ class CostModel:
     def reduced_spec(self, produced: Spec, partial: Sequence[str], dst: Spec) -> Spec:
         """The spec a partial sum has once reduced, before any resharding to ``dst``: ``produced``
         plus the partial axes that ``dst`` shards (those are reduce-scattered onto their dimension)."""
-        return self._reduction(produced, partial, dst)[2] if partial else produced
+        return self._reduction(produced, partial, dst)[3] if partial else produced
 
     def _reduction(self, produced: Spec, partial: Sequence[str], dst: Spec):
         dst_dim = {a: d for d, axes in enumerate(dst) for a in axes}
@@ -196,7 +196,7 @@ class CostModel:
         for a in scatter:
             current[dst_dim[a]].append(a)
         current_spec = tuple(tuple(sorted(c, key=self.mesh.axis_names.index)) for c in current)
-        return scatter, reduce, current_spec
+        return dst_dim, scatter, reduce, current_spec
 
     def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
                        partial: Sequence[str], dst: Spec,
@@ -212,11 +212,10 @@ class CostModel:
         """
         if not partial:
             return self.reshard(shape, itemsize, produced, dst)
-        scatter, reduce, current_spec = self._reduction(produced, partial, dst)
+        dim_of, scatter, reduce, current_spec = self._reduction(produced, partial, dst)
         comms = []
         if scatter:
             full = self.per_device_bytes(shape, itemsize, produced)
-            dim_of = {a: d for d, axes in enumerate(dst) for a in axes}
             first = min(dim_of[a] for a in scatter)
             later = tuple(a for a in scatter if dim_of[a] != first)
             if later:

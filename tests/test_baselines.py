@@ -75,3 +75,12 @@ def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
         f = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None))
         got = f(*jax.device_put(concrete, sh))[1]["loss"]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_activation_rule_naming_a_missing_mesh_axis_is_a_clear_error():
+    from models.layers import activation_sharding
+    from shardplan.mesh import make_jax_mesh
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    with pytest.raises(ValueError, match="'seq' names mesh axis 'tensor'.*axes: data, model"):
+        with activation_sharding(mesh, {"batch": "data", "seq": "tensor"}):
+            pass
