@@ -21,6 +21,7 @@ class GPTConfig:
     d_ff: int
     scan: bool = False
     dtype: str = "float32"
+    remat: str = "none"               # activation recomputation per layer: models.layers.REMAT_POLICIES
 
 
 class Block(nnx.Module):
@@ -50,7 +51,8 @@ class GPT(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         self.wte = nnx.Embed(cfg.vocab, cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
         self.wpe = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model), dt))
-        self.layers = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, scan=cfg.scan, rngs=rngs)
+        self.layers = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, scan=cfg.scan, rngs=rngs,
+                                 remat=cfg.remat)
         self.ln_f = nnx.LayerNorm(cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

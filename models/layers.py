@@ -40,6 +40,26 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*(rules.get(n) for n in names))))
 
 
+# Activation recomputation (rematerialisation) of each layer: what the forward pass keeps for the
+# backward pass. "none" keeps every residual; "dots" keeps the matmul results (MaxText's
+# "minimal"); "full" keeps only each layer's input and recomputes the rest in the backward pass.
+REMAT_POLICIES = {"none": None, "dots": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+
+
+def check_remat(policy: str) -> None:
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat={policy!r} is not a policy; choose one of {', '.join(REMAT_POLICIES)}")
+
+
+def remat(fn, policy: str, *, in_scan: bool):
+    """``fn`` under ``jax.checkpoint`` with the named policy (``REMAT_POLICIES``); "none": ``fn`` itself."""
+    check_remat(policy)
+    if REMAT_POLICIES[policy] is None:
+        return fn
+    # In a scan body CSE across trips cannot undo the recomputation, so prevent_cse is not needed.
+    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, REMAT_POLICIES[policy]), prevent_cse=not in_scan)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Softmax attention over [batch, seq, heads, head_dim]; ``k``/``v`` may have fewer heads (GQA)."""
     groups = q.shape[2] // k.shape[2]
@@ -57,8 +77,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 class LayerStack(nnx.Module):
     """``n`` copies of a block, applied in order: a Python list (unrolled) or stacked params under ``jax.lax.scan``."""
 
-    def __init__(self, make_block, n: int, *, scan: bool, rngs: nnx.Rngs):
+    def __init__(self, make_block, n: int, *, scan: bool, rngs: nnx.Rngs, remat: str = "none"):
+        check_remat(remat)
         self.scan = scan
+        self.remat = remat
         if scan:
             @nnx.split_rngs(splits=n)
             @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -71,12 +93,16 @@ class LayerStack(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if not self.scan:
             for block in self.blocks:
-                x = block(x)
+                if self.remat == "none":
+                    x = block(x)
+                    continue
+                graphdef, state = nnx.split(block)
+                x = remat(lambda h, s, g=graphdef: nnx.merge(g, s)(h), self.remat, in_scan=False)(x, state)
             return x
         graphdef, state = nnx.split(self.blocks)
 
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h), None
 
-        x, _ = jax.lax.scan(body, x, state)
+        x, _ = jax.lax.scan(remat(body, self.remat, in_scan=True), x, state)
         return x

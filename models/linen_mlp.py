@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.layers import REMAT_POLICIES, check_remat
+
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
@@ -17,6 +19,7 @@ class MLPConfig:
     d_ff: int
     n_layers: int
     scan: bool = False
+    remat: str = "none"               # activation recomputation per layer: models.layers.REMAT_POLICIES
     dtype: str = "float32"
 
 
@@ -39,13 +42,18 @@ class MLPStack(nn.Module):
     def __call__(self, tokens):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab, cfg.d_model, param_dtype=jnp.dtype(cfg.dtype))(tokens)
+        check_remat(cfg.remat)
+        block = ResidualMLP
+        if REMAT_POLICIES[cfg.remat] is not None:
+            block = nn.remat(ResidualMLP, policy=getattr(jax.checkpoint_policies, REMAT_POLICIES[cfg.remat]),
+                             prevent_cse=not cfg.scan)
         if cfg.scan:
-            stack = nn.scan(ResidualMLP, variable_axes={"params": 0}, split_rngs={"params": True},
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.n_layers)
             x, _ = stack(cfg.d_model, cfg.d_ff, name="layers")(x, None)
         else:
             for i in range(cfg.n_layers):
-                x, _ = ResidualMLP(cfg.d_model, cfg.d_ff, name=f"layers_{i}")(x)
+                x, _ = block(cfg.d_model, cfg.d_ff, name=f"layers_{i}")(x)
         x = nn.LayerNorm()(x)
         return nn.Dense(cfg.vocab)(x)
 

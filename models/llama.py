@@ -22,6 +22,7 @@ class LlamaConfig:
     d_ff: int
     scan: bool = False
     dtype: str = "float32"
+    remat: str = "none"               # activation recomputation per layer: models.layers.REMAT_POLICIES
     rope_theta: float = 500000.0
 
 
@@ -68,7 +69,8 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
-        self.layers = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, scan=cfg.scan, rngs=rngs)
+        self.layers = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, scan=cfg.scan, rngs=rngs,
+                                 remat=cfg.remat)
         self.norm = nnx.RMSNorm(cfg.d_model, param_dtype=dt, dtype=dt, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
 

@@ -68,7 +68,8 @@ class _Traced:
         self.plan, self.graph = plan_jaxpr(closed, names, arg_of, mesh_spec, budget, donated=donated,
                                            options=options, in_tree=in_tree, out_tree=out_tree)
         self.mesh = jax_mesh if jax_mesh is not None else mesh_spec.to_jax_mesh()
-        run = constrained_function(closed, self.graph, self.plan.specs_by_tensor(), self.plan.dot_operands, self.mesh)
+        run = constrained_function(closed, self.graph, self.plan.specs_by_tensor(), self.plan.dot_operands, self.mesh,
+                                   self.plan.operand_pins)
         in_sh = Plan.flat_shardings(self.plan.inputs, self.mesh)
         out_sh = Plan.flat_shardings(self.plan.outputs, self.mesh)
         flat_donate = tuple(i for i, d in enumerate(donated) if d)

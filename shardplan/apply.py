@@ -24,11 +24,12 @@ _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
 class _Emitter:
     def __init__(self, graph: Graph, specs: dict[int, Spec], dot_operands: dict[int, tuple[Spec, ...]],
-                 mesh: jax.sharding.Mesh):
+                 mesh: jax.sharding.Mesh, operand_pins: dict[tuple[int, int], Spec] | None = None):
         self.g = graph
         self.specs = specs
         self.dot_operands = dot_operands
         self.mesh = mesh
+        self.operand_pins = operand_pins or {}
 
     def constrain(self, x, spec: Spec | None):
         if spec is None or not getattr(x, "ndim", 0) or len(spec) != x.ndim:
@@ -60,6 +61,8 @@ class _Emitter:
                 if out_tid in self.dot_operands:
                     lhs, rhs, *computed = self.dot_operands[out_tid]
                     ins = [self.constrain(ins[0], lhs), self.constrain(ins[1], rhs)]
+            elif self.operand_pins:
+                ins = self._pin_operands(eqn, ins)
             if name == "scan":
                 params["jaxpr"] = self.rebuild(params["jaxpr"])
             elif name == "while":
@@ -85,6 +88,20 @@ class _Emitter:
             self._store(env, eqn, outs if prim.multiple_results else [outs])
         return [read(v) for v in jaxpr.outvars]
 
+    def _pin_operands(self, eqn, ins: list) -> list:
+        """Reshard operands where the plan priced it: before the op, not after (XLA would otherwise
+        often broadcast or reshape a small operand first and reshard the larger result)."""
+        outs = [self.g.eqn_outputs.get((id(eqn), j)) for j in range(len(eqn.outvars))]
+        pinned = list(ins)
+        for k in range(len(ins)):
+            src = self.g.eqn_inputs.get((id(eqn), k))
+            for dst in outs:
+                spec = self.operand_pins.get((src, dst))
+                if spec is not None:
+                    pinned[k] = self.constrain(ins[k], spec)
+                    break
+        return pinned
+
     def _store(self, env, eqn, outs) -> None:
         for j, (v, x) in enumerate(zip(eqn.outvars, outs)):
             tid = self.g.eqn_outputs.get((id(eqn), j))
@@ -92,9 +109,10 @@ class _Emitter:
 
 
 def constrained_function(closed_jaxpr, graph: Graph, specs: dict[int, Spec],
-                         dot_operands: dict[int, tuple[Spec, ...]], mesh: jax.sharding.Mesh) -> Callable:
+                         dot_operands: dict[int, tuple[Spec, ...]], mesh: jax.sharding.Mesh,
+                         operand_pins: dict[tuple[int, int], Spec] | None = None) -> Callable:
     """A function of the flat inputs that computes the jaxpr under the plan's constraints."""
-    emitter = _Emitter(graph, specs, dot_operands, mesh)
+    emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins)
 
     def run(*flat_args):
         return emitter.eval(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat_args)

@@ -117,6 +117,17 @@ def compiled_memory(compiled) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
+def _heap_note(cost, compiled, heap_overhead: float) -> str:
+    """What the compiled heap says of ``device.heap_overhead`` (the allowance on live temporaries)."""
+    m = compiled.memory_analysis()
+    args = sum(cost.memory_bytes_by_role.values())
+    live = max(cost.memory_bytes - args, 0.0) / (1.0 + heap_overhead)
+    heap = float(m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    implied = f"device.heap_overhead = {heap / live - 1.0:.2f} would match" if live > 0 else "no temporaries"
+    return (f"memory: temporaries predicted live {format_bytes(live)} + {heap_overhead:.0%} heap overhead; "
+            f"compiled heap {format_bytes(heap)} ({implied})")
+
+
 def price_collectives(comms, model: CostModel) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Bytes, seconds and runs per step of compiled collectives, by kind, priced by ``model``."""
     nbytes = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
@@ -151,7 +162,7 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
                              secs_a[a])
                     for a in mesh.axis_names)
     memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(compiled), 0.0, 0.0)
-    notes = []
+    notes = [_heap_note(cost, compiled, mesh.device.heap_overhead)]
     if platform == "cpu":
         read = [c for c in comms if c.emitted]
         if read:

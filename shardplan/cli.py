@@ -10,6 +10,9 @@ import json
 import os
 import sys
 
+# models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
+REMAT_CHOICES = ("none", "dots", "full")
+
 
 def _parse_axes(text: str | None) -> dict[str, int] | None:
     if not text:
@@ -37,21 +40,35 @@ def _cmd_plan(args) -> int:
 
     search = args.axes == "search"
     mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
-    ref = reference(args.model, scan=args.scan)
-    print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, batch {args.batch}) "
-          f"on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...", file=sys.stderr, flush=True)
-    state = jax.eval_shape(ref.init, jax.random.key(0))
-    batch = ref.batch(args.batch, abstract=True)
-    if search:
-        plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
-                                            memory_budget=args.memory_budget, donate_argnums=(0,),
-                                            time_limit=args.time_limit)
-        for axes, step_s, secs in tried:
-            shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
-            print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
-    else:
-        plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
-                              donate_argnums=(0,), time_limit=args.time_limit)
+    # "auto": the least recomputation whose plan fits (recomputing costs compute, so the first
+    # policy that fits is the fastest one that does).
+    policies = REMAT_CHOICES if args.remat == "auto" else (args.remat,)
+    for k, remat in enumerate(policies):
+        ref = reference(args.model, scan=args.scan, remat=remat)
+        print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {remat}, "
+              f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
+              file=sys.stderr, flush=True)
+        state = jax.eval_shape(ref.init, jax.random.key(0))
+        batch = ref.batch(args.batch, abstract=True)
+        try:
+            if search:
+                plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
+                                                    memory_budget=args.memory_budget, donate_argnums=(0,),
+                                                    time_limit=args.time_limit)
+                for axes, step_s, secs in tried:
+                    shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
+                    print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
+            else:
+                plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
+                                      donate_argnums=(0,), time_limit=args.time_limit)
+            break
+        except shardplan.InfeasibleBudgetError as e:
+            if k == len(policies) - 1:
+                raise
+            print(f"remat {remat}: no plan fits ({str(e).splitlines()[0][:160]}); trying more recomputation",
+                  file=sys.stderr)
+    if args.remat == "auto":
+        print(f"remat auto: {remat} is the least recomputation that fits", file=sys.stderr)
     print(plan.explain(max_activations=args.activations))
     if args.json:
         tmp = args.json + ".tmp"
@@ -68,7 +85,7 @@ def _cmd_audit(args) -> int:
     _fake_cpu_devices(mesh.num_devices)      # for the compile
     import jax
     from models.train import reference
-    ref = reference(args.model, scan=args.scan)
+    ref = reference(args.model, scan=args.scan, remat=args.remat)
     print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on {jax.devices()[0].platform} devices ...",
           file=sys.stderr, flush=True)
@@ -105,7 +122,7 @@ def _cmd_mesh(args, extra: list[str]) -> int:
     cut = m.inter_node_link if nodes > 1 else m.intra_node_link
     print(json.dumps({"name": m.name, "device": m.device.name, "peak_flops": dict(m.device.peak_flops),
                       "hbm_bytes": m.device.hbm_bytes, "hbm_bandwidth": m.device.hbm_bandwidth,
-                      "devices": m.num_devices, "devices_per_node": m.devices_per_node, "nodes": nodes,
+                      "heap_overhead": m.device.heap_overhead, "devices": m.num_devices, "devices_per_node": m.devices_per_node, "nodes": nodes,
                       "bisection_bandwidth": m.num_devices / 2 * cut.bandwidth,
                       "axes": [{"name": a.name, "size": a.size, "link": a.link.name, "bandwidth": a.link.bandwidth,
                                 "latency": a.link.latency,
@@ -175,15 +192,20 @@ def main(argv: list[str] | None = None) -> int:
                                                 "'search' tries every data x model shape and keeps the best")
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
+    p.add_argument("--remat", default="none", choices=REMAT_CHOICES + ("auto",),
+                   help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
+                        "inputs), or auto (the least of these whose plan fits the budget)")
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 60GiB (default: device HBM)")
     p.add_argument("--time-limit", type=float, default=30.0, help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
     p.add_argument("--activations", type=int, default=20, help="activation rows to print")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
                                      "HLO (exit 1 when a figure diverges)")
-    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--memory-budget", "--time-limit"):
+    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--memory-budget", "--time-limit"):
         action = next(x for x in p._actions if flag in x.option_strings)
         kwargs = dict(default=action.default, help=action.help)
+        if flag == "--remat":      # the audit compiles one step: a policy, not a search
+            kwargs.update(choices=REMAT_CHOICES, help="activation recomputation per layer: " + ", ".join(REMAT_CHOICES))
         if isinstance(action, argparse.BooleanOptionalAction):
             a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:

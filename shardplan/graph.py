@@ -69,6 +69,9 @@ class PairEdge:
     mult: float
     required: Callable[[Spec], Spec] | None = None
     produced: Callable[[Spec], tuple[Spec, tuple[str, ...]]] | None = None
+    # With ``required``: the spec of ``dst`` the op makes when ``src`` stays as it is (``None``
+    # where it cannot); XLA then reshards the result instead of the operand when that is cheaper.
+    passthrough: Callable[[Spec, Spec], Spec | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +124,11 @@ _FUSIBLE = frozenset("""
 abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp exp2
 expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
 nextafter not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum rem reshape
-round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh transpose xor
+reduce_precision round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh transpose xor
 """.split())
+# Ops whose result XLA writes into their first operand's buffer when the operand dies there.
+_IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min",
+                       "scatter-max", "dynamic_update_slice"})
 # Results XLA would rather store than recompute in each of several readers (its "expensive" ops).
 _EXPENSIVE = frozenset("""
 cos div erf erf_inv exp exp2 expm1 integer_pow log log1p logistic pow rem rsqrt sin sqrt tan tanh
@@ -141,6 +147,7 @@ class Graph:
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []
         self.eqn_outputs: dict[tuple[int, int], int] = {}   # (id(eqn), output index) -> tensor
+        self.eqn_inputs: dict[tuple[int, int], int] = {}    # (id(eqn), operand index) -> tensor
         self.dot_at: dict[int, int] = {}   # id(eqn) -> index into dots
         self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
@@ -294,8 +301,12 @@ class _Walker:
         self.rules = rules
 
     def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: _Level | None = None,
-             const_tids: list[int] | None = None) -> list[int | None]:
-        """Walk ``jaxpr`` whose invars are ``in_tids``; return the tensors of its outvars."""
+             const_tids: list[int] | None = None, inline: bool = False) -> list[int | None]:
+        """Walk ``jaxpr`` whose invars are ``in_tids``; return the tensors of its outvars.
+
+        Calls (``pjit``, ``custom_jvp_call``, ``remat`` ...) are walked ``inline``, into the
+        caller's level: XLA inlines them, so their ops fuse and free memory as the caller's do.
+        """
         g = self.g
         env: dict[Any, int | None] = {}
         for k, v in enumerate(jaxpr.constvars):
@@ -310,13 +321,19 @@ class _Walker:
                 return None
             return env.get(v)
 
-        for i, eqn in enumerate(jaxpr.eqns):
+        for eqn in jaxpr.eqns:
+            i = len(level.defined)          # this eqn's position in the level's schedule
             ins = [read(v) for v in eqn.invars]
             for t in ins:
                 if t is not None:
                     level.last_use[t] = i
             prim = eqn.primitive.name
-            if prim in CALL_PRIMITIVES or prim in ("scan", "while", "cond"):
+            if prim in CALL_PRIMITIVES:
+                body, _ = sub_jaxpr(eqn)
+                for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):
+                    env[v] = t
+                continue
+            if prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i)
             else:
                 outs = []
@@ -326,6 +343,13 @@ class _Walker:
                     g.eqn_outputs[(id(eqn), j)] = t
                     outs.append(t)
                 self.rules(g, eqn, ins, outs, mult)
+                for k, t in enumerate(ins):
+                    if t is not None:
+                        g.eqn_inputs[(id(eqn), k)] = t
+                if prim in _IN_PLACE and ins[0] in level.made_by:
+                    # The result takes over the operand's buffer (XLA updates it in place when
+                    # nothing reads the operand later; a later reader moves its last use on again).
+                    level.last_use[ins[0]] = i - 1
                 for t in outs:
                     level.made_by[t] = (prim, [x for x in ins if x is not None])
             for t in ins:
@@ -335,9 +359,11 @@ class _Walker:
                 env[v] = t
             level.defined.append([t for t in outs if t is not None])
         outs = [read(v) for v in jaxpr.outvars]
+        if inline:
+            return outs
         for t in outs:
             if t is not None:
-                level.last_use[t] = len(jaxpr.eqns)
+                level.last_use[t] = len(level.defined)
         self._fuse(level, set(outs))
         return outs
 
@@ -357,7 +383,9 @@ class _Walker:
                 if made is None or t in kept or made[0] not in _FUSIBLE or made[0] in _REDUCTIONS:
                     continue
                 readers = g.readers.get(t, [])
-                if not readers or any(p not in _FUSIBLE for p, _ in readers):
+                # XLA folds a transpose into the dots that read it (its TransposeFolding pass).
+                fold = _FUSIBLE | {"dot_general"} if made[0] == "transpose" else _FUSIBLE
+                if not readers or any(p not in fold for p, _ in readers):
                     continue
                 if len(readers) > 1 and made[0] in _EXPENSIVE:
                     continue
@@ -368,6 +396,25 @@ class _Walker:
                         level.last_use[x] = max(level.last_use[x], end)
         if fused:
             level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
+        # A stored elementwise result takes over the buffer of a same-size operand that dies in
+        # its kernel (XLA shares an elementwise fusion's output with such an operand).
+        for i, ts in enumerate(level.defined):
+            for t in ts:
+                made = level.made_by.get(t)
+                if made is None or made[0] not in _FUSIBLE or made[0] in _REDUCTIONS:
+                    continue
+                stack, seen = list(made[1]), set()
+                while stack:
+                    x = stack.pop()
+                    if x in seen:
+                        continue
+                    seen.add(x)
+                    if x in fused:
+                        stack.extend(level.made_by[x][1])
+                    elif x in level.made_by and x not in kept and level.last_use.get(x) == i \
+                            and g.tensors[x].nbytes == g.tensors[t].nbytes:
+                        level.last_use[x] = i - 1
+                        break
 
     def _fresh(self, mult: float, eqn) -> list[int]:
         outs = []
@@ -433,11 +480,6 @@ class _Walker:
                 branch_out = self._inner(branch.jaxpr, ins[1:], mult, level, i)
                 for bt, t in zip(branch_out, outs):
                     g.union(bt, t)
-        else:
-            body, _ = sub_jaxpr(eqn)
-            body_out = self._inner(body, ins, mult, level, i)
-            for bt, t in zip(body_out, outs):
-                g.union(bt, t)
         return outs
 
 

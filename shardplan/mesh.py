@@ -32,14 +32,27 @@ class Link:
     latency: float
 
 
+DEFAULT_HEAP_OVERHEAD = 0.10
+
+
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """One accelerator: peak FLOP/s per dtype name, HBM capacity (bytes) and bandwidth (bytes/s)."""
+    """One accelerator: peak FLOP/s per dtype name, HBM capacity (bytes) and bandwidth (bytes/s).
+
+    ``heap_overhead``: the fraction XLA's heap adds to the bytes of live temporaries. XLA lays
+    every temporary of a program out in one heap, with in-place updates and loop-carried buffers
+    pinned to shared offsets, so the heap (``memory_analysis().temp_size_in_bytes``) is larger than
+    the peak of bytes live at once (llama-tiny, one device's share of batch 128: 85.6 MiB live at
+    XLA's own peak, a 99.7 MiB heap). Heap / predicted live temporaries on issue 3's reference
+    matrix (CPU backend): 1.07 (MLP), 1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default.
+    ``shardplan audit`` prints the value a compile implies; set it for your own devices.
+    """
 
     name: str
     peak_flops: Mapping[str, float]
     hbm_bytes: int
     hbm_bandwidth: float
+    heap_overhead: float = DEFAULT_HEAP_OVERHEAD
 
     def flops_for(self, dtype_name: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype_name``; unknown dtypes use the float32 rate."""
@@ -123,7 +136,8 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
-_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth"}
+_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead"}
+_OPTIONAL_DEVICE_KEYS = {"heap_overhead"}
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
 _AXIS_KEYS = {"name", "size", "bandwidth", "latency"}   # bandwidth/latency: measured, override the link
@@ -135,6 +149,13 @@ def _positive(value: Any, key: str, source: str, kind=float) -> Any:
     if kind is int and (not float(value).is_integer()):
         raise MeshConfigError(f"must be a positive integer, got {value!r}", source=source, key=key)
     return kind(value)
+
+
+def _fraction(value: Any, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise MeshConfigError(f"must be a fraction from 0 to 1 (0.10 adds 10% to the temporaries), got {value!r}",
+                              source=source, key=key)
+    return float(value)
 
 
 def _check_keys(table: Any, allowed: set[str], key: str, source: str) -> None:
@@ -155,7 +176,7 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
             raise MeshConfigError(f"missing section or key {required!r}", source=source, key=required)
     dev = data["device"]
     _check_keys(dev, _DEVICE_KEYS, "device", source)
-    for k in _DEVICE_KEYS:
+    for k in _DEVICE_KEYS - _OPTIONAL_DEVICE_KEYS:
         if k not in dev:
             raise MeshConfigError("missing key", source=source, key=f"device.{k}")
     flops = dev["peak_flops"]
@@ -166,7 +187,8 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
         name=str(dev["name"]),
         peak_flops={k: _positive(v, f"device.peak_flops.{k}", source) for k, v in flops.items()},
         hbm_bytes=_positive(dev["hbm_bytes"], "device.hbm_bytes", source, int),
-        hbm_bandwidth=_positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", source))
+        hbm_bandwidth=_positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", source),
+        heap_overhead=_fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", source))
 
     links_raw = data["links"]
     if not isinstance(links_raw, dict) or not links_raw:
@@ -308,7 +330,8 @@ def to_toml(spec: MeshSpec) -> str:
              "peak_flops = { " + ", ".join(f"{k} = {float(v)!r}" for k, v in d.peak_flops.items())
              + " }  # FLOP/s per dtype, dense matmul",
              f"hbm_bytes = {int(d.hbm_bytes)}  # bytes of HBM per device",
-             f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s", ""]
+             f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s",
+             f"heap_overhead = {float(d.heap_overhead)!r}  # fraction XLA's heap adds to live temporaries", ""]
     for name, link in links.items():
         lines += [f"[links.{name}]",
                   f"bandwidth = {float(link.bandwidth)!r}  # bytes/s per device per direction",

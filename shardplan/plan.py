@@ -78,6 +78,8 @@ class Plan:
     solver: SolverStats
     fingerprint: str
     warnings: tuple[str, ...] = ()
+    # (operand tensor id, result tensor id) -> the spec the operand is resharded to before the op
+    operand_pins: dict[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
@@ -158,7 +160,8 @@ class Plan:
             "activations": rows(self.activations),
             "dot_operands": {str(k): [[list(a) for a in s] for s in v] for k, v in self.dot_operands.items()},
             "cost": dataclasses.asdict(self.cost), "solver": dataclasses.asdict(self.solver),
-            "fingerprint": self.fingerprint, "warnings": list(self.warnings)}
+            "fingerprint": self.fingerprint, "warnings": list(self.warnings),
+            "operand_pins": [[a, b, [list(x) for x in s]] for (a, b), s in self.operand_pins.items()]}
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -178,7 +181,8 @@ class Plan:
             activations=rows(data["activations"]),
             dot_operands={int(k): tuple(spec(x) for x in v) for k, v in data["dot_operands"].items()},
             cost=PredictedCost(**data["cost"]), solver=SolverStats(**data["solver"]),
-            fingerprint=data["fingerprint"], warnings=tuple(data["warnings"]))
+            fingerprint=data["fingerprint"], warnings=tuple(data["warnings"]),
+            operand_pins={(a, b): spec(s) for a, b, s in data.get("operand_pins", [])})
 
     def specs_by_tensor(self) -> dict[int, Spec]:
         return {r.id: r.spec for r in (*self.inputs, *self.outputs, *self.activations)}

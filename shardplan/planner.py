@@ -159,8 +159,15 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 bytes_by_axis[a] += c.nbytes * mult / len(c.axes)
             cost_of[tid] += s
 
+    operand_pins = {}      # operands resharded before their op, as priced: apply.py pins them there
     for e in graph.edges:
-        account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
+        if e.required is not None:
+            comms, pin = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+            if pin is not None:
+                operand_pins[(e.src, e.dst)] = pin
+        else:
+            comms = enum.edge_comms(e, spec_of[e.src], spec_of[e.dst])
+        account(comms, e.mult, e.dst)
     compute = 0.0
     dot_operands = {}
     for k, dot in enumerate(graph.dots):
@@ -198,7 +205,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
-                outputs=outputs, activations=acts, dot_operands=dot_operands, cost=cost, solver=stats,
+                outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
+                cost=cost, solver=stats,
                 fingerprint=graph_fingerprint(graph), warnings=tuple(graph.warnings),
                 in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)
 

@@ -16,7 +16,8 @@ Spec = tuple[tuple[str, ...], ...]
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                "reduce_xor"}
 # Params that do not stop a same-shape op from being elementwise.
-_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype"}
+_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype", "exponent_bits",
+                       "mantissa_bits"}
 _SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
@@ -35,9 +36,9 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     operands = [t for t in ins if t is not None and _rank(g, t) > 0]
     shape_out = g.tensors[out].shape if out is not None else ()
 
-    def edge(src, dst, required=None, produced=None):
+    def edge(src, dst, required=None, produced=None, passthrough=None):
         if src is not None and dst is not None:
-            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced))
+            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced, passthrough=passthrough))
 
     if prim == "dot_general":
         (lc, rc), (lb, rb) = p["dimension_numbers"]
@@ -52,6 +53,12 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         dims += [(l, r, None) for l, r in zip(lc, rc)]
         g.dot_at[id(eqn)] = len(g.dots)
         g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn)))
+        return
+
+    if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
+        for t, o in zip(ins, outs):
+            if t is not None and _rank(g, t):
+                g.union(t, o)
         return
 
     if prim in _REDUCTIONS:
@@ -211,7 +218,25 @@ def _gather_rule(g, eqn, ins, out, edge):
 
     def indices_required(s):
         return tuple(s[out_of_idx[d]] if d in out_of_idx else () for d in range(idx_rank))
-    edge(operand, out, required=operand_required)
+
+    def operand_passthrough(src, dst):
+        # XLA's gather partitioner keeps an operand sharded along whole window (or batching) dims
+        # and gathers in place: those dims of the result come out sharded the same way, its
+        # index dims follow the indices (priced on their own edge, in the result's spec).
+        spec = [()] * out_rank
+        for d, axes in enumerate(src):
+            if not axes:
+                continue
+            if d not in out_of_op or not (d in op_batching or slice_sizes[d] == op_shape[d]):
+                return None
+            spec[out_of_op[d]] = axes
+        used = {a for axes in spec for a in axes}
+        for od in batch_out:
+            if not spec[od]:
+                spec[od] = tuple(a for a in dst[od] if a not in used)
+                used.update(spec[od])
+        return tuple(spec)
+    edge(operand, out, required=operand_required, passthrough=operand_passthrough)
     edge(indices, out, required=indices_required)
 
 

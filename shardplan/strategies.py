@@ -182,18 +182,40 @@ class Enumerator:
             self._reshard_memo[key] = self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
         return self._reshard_memo[key]
 
+    def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) -> tuple[list[tuple[Comm, float]], Spec | None]:
+        """For an edge with ``required``: its collectives, and the spec its operand is resharded to
+        before the op (``None`` when it is not moved: already there, or the op runs on it in place
+        and its result is resharded instead, when that is cheaper)."""
+        t = self.g.tensors[edge.src]
+        need = edge.required(dst_spec)
+        comms = self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
+        made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
+        if comms and made is not None:
+            out = self.g.tensors[edge.dst]
+            other = self.priced(self.m.reshard(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
+            if sum(sec for _, sec in other) < sum(sec for _, sec in comms):
+                return other, None
+        return comms, (need if comms else None)
+
     def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one op edge, each with its seconds per step."""
         if edge.required is not None:
-            t = self.g.tensors[edge.src]
-            return self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec)), edge.mult)
+            return self.operand_reshard(edge, src_spec, dst_spec)[0]
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
         if edge.primitive.startswith("scatter") and partial:
             # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
-            # not turn them into a reduce-scatter.
-            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, produced) + \
-                self.m.reshard(t.shape, t.dtype.itemsize, produced, dst_spec)
+            # not turn them into a reduce-scatter. Dimensions the target shards and the updates
+            # do not are sliced locally first (free), so the all-reduce moves only that slice.
+            used = {a for axes in produced for a in axes} | set(partial)
+            sliced = []
+            for have, want in zip(produced, dst_spec):
+                extra = () if have else tuple(a for a in want if a not in used)
+                used.update(extra)
+                sliced.append(have or extra)
+            sliced = tuple(sliced)
+            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, sliced, partial, sliced) + \
+                self.m.reshard(t.shape, t.dtype.itemsize, sliced, dst_spec)
         else:
             comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
         return self.priced(comms, edge.mult, reduces=edge.dst)
@@ -265,6 +287,7 @@ class Enumerator:
                     live_at.setdefault(t, []).append(p)
         always = {t for t in g.inputs if g.tensors[t].rank}
         base_memory = np.zeros(len(points))
+        heap = 1.0 + self.m.mesh.device.heap_overhead    # temporaries live in XLA's heap, inputs do not
         for t in g.inputs:
             if not g.tensors[t].rank:
                 base_memory += g.tensors[t].nbytes
@@ -277,7 +300,7 @@ class Enumerator:
             if not ranked:
                 for t in members:
                     for p in live_at.get(t, []):
-                        base_memory[p] += g.tensors[t].nbytes
+                        base_memory[p] += g.tensors[t].nbytes * heap
                 continue
             options = self.group_options(root)
             pins = [(t, self.fixed[t]) for t in ranked if t in self.fixed]
@@ -298,7 +321,7 @@ class Enumerator:
                 if t in self.traffic:
                     cost += ts.mult * self.traffic[t] * per_dev / self.m.mesh.device.hbm_bandwidth
                 for p in live_at.get(t, []):
-                    memory[p] += per_dev
+                    memory[p] += per_dev * heap
                 if t in always:
                     memory += per_dev[None, :]
             node_of_group[root] = len(nodes)

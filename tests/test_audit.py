@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import pytest
 
 import shardplan
 from models.train import reference
@@ -23,6 +24,8 @@ def test_audit_matches_prediction_on_a_planned_step():
     assert [r.name for r in a.by_axis] == ["data"]
     assert abs(a.memory_error()) <= 0.15, a.table()
     assert "predicted" in a.table() and "memory per device" in a.table()
+    # The audit says which heap allowance this compile implies, from the same figures.
+    assert any("heap_overhead = " in n for n in a.notes), a.notes
     # A divergence is reported, not hidden: claim twice the bytes and the audit flags it.
     doubled = {k: 2 * v for k, v in f.plan.cost.comm_bytes_by_kind.items()}
     bad = dataclasses.replace(f.plan, cost=dataclasses.replace(f.plan.cost, comm_bytes_by_kind=doubled))
@@ -35,3 +38,21 @@ def test_audit_command(capsys):
     out = capsys.readouterr().out
     assert rc in (0, 1)
     assert "audit against the compiled program" in out and "all collectives" in out
+
+
+def test_gathers_scatters_and_broadcast_operands_are_priced_as_compiled():
+    """On a (2,4) mesh the plan ZeRO-shards the embedding table and the output bias over 'data':
+    the lookup gathers in place and reshards its small result (XLA's gather partitioner), the
+    bias is gathered before the broadcasting add (the plan pins the operand there, else XLA
+    gathers the broadcast result), and the table's gradient scatter-adds into the local slice
+    before its all-reduce. Each collective kind's bytes are the compiled program's."""
+    ref = reference("mlp-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}),
+                       donate_argnums=(0,), time_limit=30)
+    compiled = f.lower(state, batch).compile()
+    a = f.plan.audit(compiled)
+    rows = {r.name: r for r in a.by_kind}
+    for kind in ("all-gather", "all-reduce"):
+        assert rows[kind].predicted_bytes == pytest.approx(rows[kind].compiled_bytes, rel=0.01), a.table()
+    assert f.plan.operand_pins

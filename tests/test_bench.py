@@ -7,7 +7,7 @@ def test_cells_filter_and_quick_subset(capsys):
     assert main(["--list", "--cells", "gpt2-small/h100-8(2,4);tiny/cpu-8(8,1)"]) == 0
     listed = capsys.readouterr().out.split()
     assert listed == ["gpt-tiny/cpu-8(8,1)/hbm", "llama-tiny/cpu-8(8,1)/hbm", "gpt2-small/h100-8(2,4)/hbm",
-                      "gpt2-small/h100-8(2,4)/tight"]
+                      "gpt2-small/h100-8(2,4)/tight", "gpt2-small/h100-8(2,4)/tight/remat-full"]
     assert main(["--list", "--quick"]) == 0
     assert capsys.readouterr().out.split() == list(QUICK)
     assert main(["--list", "--cells", "no-such-cell"]) == 2

@@ -27,6 +27,7 @@ BAD_FILES = {
     "zero_nodes.toml": (GOOD.replace("nodes = 1", "nodes = 0"), r"\[topology.nodes\] must be a positive"),
     "axis_name.toml": (GOOD.replace('name = "model"', 'name = "mo del"'), r"must be an identifier"),
     "hbm_string.toml": (GOOD.replace("hbm_bytes = 85899345920", 'hbm_bytes = "80GiB"'), r"\[device.hbm_bytes\]"),
+    "heap_overhead.toml": (GOOD.replace("heap_overhead = 0.1", "heap_overhead = 1.5"), r"\[device.heap_overhead\] must be a fraction"),
 }
 
 
@@ -154,3 +155,29 @@ def test_fit_ring_recovers_bandwidth_and_latency():
     seconds = 2 * (n - 1) * lat + 2 * (n - 1) / n * sizes / bw
     got_bw, got_lat = fit_ring(sizes, seconds, n)
     assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+
+
+def test_remat_choices_are_the_models_policies():
+    from models.layers import REMAT_POLICIES
+    from shardplan.cli import REMAT_CHOICES
+    assert set(REMAT_CHOICES) == set(REMAT_POLICIES)
+
+
+def test_plan_command_with_remat_plans_less_memory(capsys):
+    peaks = {}
+    for remat in ("none", "full"):
+        assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--remat", remat,
+                     "--time-limit", "2"]) == 0
+        out = capsys.readouterr().out
+        peaks[remat] = out.split("peak memory ")[1].split("/device")[0]
+    from shardplan.sizes import parse_bytes
+    assert parse_bytes(peaks["full"]) < parse_bytes(peaks["none"])
+    # auto: the least recomputation whose plan fits; a budget only full recomputation meets.
+    budget = (parse_bytes(peaks["full"]) + parse_bytes(peaks["none"])) // 2
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--remat", "auto",
+                 "--memory-budget", str(budget), "--time-limit", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "remat none: no plan fits" in err and "remat auto: " in err and "remat auto: none" not in err
+    with pytest.raises(SystemExit) as bad:
+        main(["plan", "--model", "gpt-tiny", "--remat", "some"])
+    assert bad.value.code == 2 and "invalid choice: 'some'" in capsys.readouterr().err

@@ -54,6 +54,8 @@ def _good():
     (lambda d: d["axes"][0].update(size=3), r"multiply to 12.*= 8"),
     (lambda d: d["topology"].update(inter_node_link="ib"), r"names link 'ib'"),
     (lambda d: d["device"]["peak_flops"].pop("float32"), r"at least 'float32'"),
+    (lambda d: d["device"].update(heap_overhead=-0.1), r"\[device.heap_overhead\] must be a fraction from 0 to 1"),
+    (lambda d: d["device"].update(heap_overhead="10%"), r"\[device.heap_overhead\] must be a fraction"),
 ])
 def test_bad_mesh_files(mutate, match):
     data = _good()

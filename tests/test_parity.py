@@ -26,10 +26,15 @@ def _run(step, state, batch, n=3):
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("model", MODELS)
 def test_adamw_losses_match(model, scan, mesh):
-    ref = reference(model, scan=scan)
-    state, batch = ref.init(jax.random.key(0)), ref.batch(8)
-    _, expected = _run(jax.jit(ref.train_step), state, batch)
-    planned = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes=MESHES[mesh]), time_limit=2)
+    _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan), mesh)
+
+
+def _assert_planned_losses_match(plain, planned_ref, mesh):
+    """``planned_ref``'s step, planned on fake CPU devices, has ``plain``'s unsharded losses."""
+    state, batch = plain.init(jax.random.key(0)), plain.batch(8)
+    _, expected = _run(jax.jit(plain.train_step), state, batch)
+    planned = shardplan.auto(planned_ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes=MESHES[mesh]),
+                             time_limit=2)
     _, got = _run(planned, state, batch)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert not planned.plan.warnings
@@ -46,3 +51,12 @@ def test_sgd_parameters_match(model, mesh):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got["params"]), jax.tree.leaves(expected["params"])):
         scale = float(jnp.max(jnp.abs(b))) or 1.0
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("model, scan, remat, mesh", [
+    ("gpt-tiny", True, "full", "2x4"), ("llama-tiny", True, "dots", "2x4"),
+    ("mlp-tiny", True, "full", "2x2x2"), ("gpt-tiny", False, "dots", "4x2")])
+def test_rematerialised_step_matches_the_plain_unsharded_step(model, scan, remat, mesh):
+    """Recomputing activations in the backward pass (jax.checkpoint per layer) changes neither the
+    parameters nor the losses: the planned remat step equals the plain unsharded step."""
+    _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan, remat=remat), mesh)

@@ -77,12 +77,30 @@ def test_predicted_cost_is_the_solver_objective(scan):
     assert p.cost.step_s == pytest.approx(p.solver.objective, rel=1e-9)
 
 
+def test_heap_overhead_scales_temporaries_not_arguments():
+    """device.heap_overhead is an allowance on what XLA's heap holds (live temporaries), not on
+    the step's arguments: with it at 0 and at 0.5 the same plan's arguments weigh the same and the
+    rest grows by half."""
+    ref = reference("mlp-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(64, abstract=True)
+    mesh = shardplan.load_mesh("h100-8", axes={"data": 8})
+    plans = [shardplan.plan(ref.train_step, state, batch, time_limit=2,
+                            mesh=dataclasses.replace(mesh, device=dataclasses.replace(mesh.device, heap_overhead=h)))
+             for h in (0.0, 0.5)]
+    args = [sum(p.cost.memory_bytes_by_role.values()) for p in plans]
+    assert args[0] == args[1] > 0
+    assert [r.spec for r in plans[0].inputs] == [r.spec for r in plans[1].inputs]
+    temps = [p.cost.memory_bytes - a for p, a in zip(plans, args)]
+    assert temps[0] > 0 and temps[1] == pytest.approx(1.5 * temps[0], rel=1e-9)
+
+
 def test_plan_round_trips_and_explains():
     ref = reference("gpt-tiny", scan=True)
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
     p = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=2)
     q = shardplan.Plan.from_json(p.to_json())
     assert q.input_specs() == p.input_specs() and q.cost == p.cost and q.solver == p.solver
+    assert q.dot_operands == p.dot_operands and q.operand_pins == p.operand_pins
     text = p.explain()
     assert "['params']['wte']['embedding']" in text and "PartitionSpec" in text and "solver:" in text
     shardings = p.in_shardings()
