@@ -69,7 +69,7 @@ class _Traced:
                                            options=options, in_tree=in_tree, out_tree=out_tree)
         self.mesh = jax_mesh if jax_mesh is not None else mesh_spec.to_jax_mesh()
         run = constrained_function(closed, self.graph, self.plan.specs_by_tensor(), self.plan.dot_operands, self.mesh,
-                                   self.plan.operand_pins)
+                                   self.plan.operand_pins, self.plan.result_pins)
         in_sh = Plan.flat_shardings(self.plan.inputs, self.mesh)
         out_sh = Plan.flat_shardings(self.plan.outputs, self.mesh)
         flat_donate = tuple(i for i, d in enumerate(donated) if d)

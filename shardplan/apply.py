@@ -24,12 +24,14 @@ _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
 class _Emitter:
     def __init__(self, graph: Graph, specs: dict[int, Spec], dot_operands: dict[int, tuple[Spec, ...]],
-                 mesh: jax.sharding.Mesh, operand_pins: dict[tuple[int, int], Spec] | None = None):
+                 mesh: jax.sharding.Mesh, operand_pins: dict[tuple[int, int], Spec] | None = None,
+                 result_pins: dict[int, Spec] | None = None):
         self.g = graph
         self.specs = specs
         self.dot_operands = dot_operands
         self.mesh = mesh
         self.operand_pins = operand_pins or {}
+        self.result_pins = result_pins or {}
 
     def constrain(self, x, spec: Spec | None):
         if spec is None or not getattr(x, "ndim", 0) or len(spec) != x.ndim:
@@ -105,14 +107,17 @@ class _Emitter:
     def _store(self, env, eqn, outs) -> None:
         for j, (v, x) in enumerate(zip(eqn.outvars, outs)):
             tid = self.g.eqn_outputs.get((id(eqn), j))
+            if tid is not None and tid in self.result_pins:
+                x = self.constrain(x, self.result_pins[tid])      # as the op makes it, then resharded
             env[v] = self.constrain(x, self.specs.get(tid)) if tid is not None else x
 
 
 def constrained_function(closed_jaxpr, graph: Graph, specs: dict[int, Spec],
                          dot_operands: dict[int, tuple[Spec, ...]], mesh: jax.sharding.Mesh,
-                         operand_pins: dict[tuple[int, int], Spec] | None = None) -> Callable:
+                         operand_pins: dict[tuple[int, int], Spec] | None = None,
+                         result_pins: dict[int, Spec] | None = None) -> Callable:
     """A function of the flat inputs that computes the jaxpr under the plan's constraints."""
-    emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins)
+    emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins, result_pins)
 
     def run(*flat_args):
         return emitter.eval(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat_args)

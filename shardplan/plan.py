@@ -80,6 +80,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     # (operand tensor id, result tensor id) -> the spec the operand is resharded to before the op
     operand_pins: dict[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
+    # result tensor id -> the spec its op makes it in (before resharding to its own spec)
+    result_pins: dict[int, Spec] = dataclasses.field(default_factory=dict)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
@@ -161,7 +163,8 @@ class Plan:
             "dot_operands": {str(k): [[list(a) for a in s] for s in v] for k, v in self.dot_operands.items()},
             "cost": dataclasses.asdict(self.cost), "solver": dataclasses.asdict(self.solver),
             "fingerprint": self.fingerprint, "warnings": list(self.warnings),
-            "operand_pins": [[a, b, [list(x) for x in s]] for (a, b), s in self.operand_pins.items()]}
+            "operand_pins": [[a, b, [list(x) for x in s]] for (a, b), s in self.operand_pins.items()],
+            "result_pins": {str(k): [list(x) for x in s] for k, s in self.result_pins.items()}}
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -182,7 +185,8 @@ class Plan:
             dot_operands={int(k): tuple(spec(x) for x in v) for k, v in data["dot_operands"].items()},
             cost=PredictedCost(**data["cost"]), solver=SolverStats(**data["solver"]),
             fingerprint=data["fingerprint"], warnings=tuple(data["warnings"]),
-            operand_pins={(a, b): spec(s) for a, b, s in data.get("operand_pins", [])})
+            operand_pins={(a, b): spec(s) for a, b, s in data.get("operand_pins", [])},
+            result_pins={int(k): spec(s) for k, s in data.get("result_pins", {}).items()})
 
     def specs_by_tensor(self) -> dict[int, Spec]:
         return {r.id: r.spec for r in (*self.inputs, *self.outputs, *self.activations)}

@@ -159,12 +159,16 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 bytes_by_axis[a] += c.nbytes * mult / len(c.axes)
             cost_of[tid] += s
 
-    operand_pins = {}      # operands resharded before their op, as priced: apply.py pins them there
+    # Where the pricing reshards an operand before its op, or makes a result in place and
+    # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
+    operand_pins, result_pins = {}, {}
     for e in graph.edges:
         if e.required is not None:
-            comms, pin = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+            comms, pin, made = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
             if pin is not None:
                 operand_pins[(e.src, e.dst)] = pin
+            if made is not None:
+                result_pins[e.dst] = made
         else:
             comms = enum.edge_comms(e, spec_of[e.src], spec_of[e.dst])
         account(comms, e.mult, e.dst)
@@ -206,6 +210,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
+                result_pins=result_pins,
                 cost=cost, solver=stats,
                 fingerprint=graph_fingerprint(graph), warnings=tuple(graph.warnings),
                 in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)

@@ -182,10 +182,12 @@ class Enumerator:
             self._reshard_memo[key] = self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
         return self._reshard_memo[key]
 
-    def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) -> tuple[list[tuple[Comm, float]], Spec | None]:
-        """For an edge with ``required``: its collectives, and the spec its operand is resharded to
-        before the op (``None`` when it is not moved: already there, or the op runs on it in place
-        and its result is resharded instead, when that is cheaper)."""
+    def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) \
+            -> tuple[list[tuple[Comm, float]], Spec | None, Spec | None]:
+        """For an edge with ``required``: its collectives, the spec its operand is resharded to
+        before the op, and the spec the op makes its result in before that is resharded (each
+        ``None`` where nothing moves). The operand moves unless the op can run on it in place
+        (``passthrough``) and resharding its result instead is cheaper."""
         t = self.g.tensors[edge.src]
         need = edge.required(dst_spec)
         comms = self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
@@ -194,8 +196,8 @@ class Enumerator:
             out = self.g.tensors[edge.dst]
             other = self.priced(self.m.reshard(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
             if sum(sec for _, sec in other) < sum(sec for _, sec in comms):
-                return other, None
-        return comms, (need if comms else None)
+                return other, None, made
+        return comms, (need if comms else None), None
 
     def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one op edge, each with its seconds per step."""

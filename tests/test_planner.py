@@ -100,7 +100,7 @@ def test_plan_round_trips_and_explains():
     p = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=2)
     q = shardplan.Plan.from_json(p.to_json())
     assert q.input_specs() == p.input_specs() and q.cost == p.cost and q.solver == p.solver
-    assert q.dot_operands == p.dot_operands and q.operand_pins == p.operand_pins
+    assert (q.dot_operands, q.operand_pins, q.result_pins) == (p.dot_operands, p.operand_pins, p.result_pins)
     text = p.explain()
     assert "['params']['wte']['embedding']" in text and "PartitionSpec" in text and "solver:" in text
     shardings = p.in_shardings()
