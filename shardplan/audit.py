@@ -170,8 +170,8 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
                          f"their slice are read as the reduce-scatters a GPU/TPU compile emits "
                          f"({format_bytes(sum(c.nbytes * c.count for c in read))})")
         if any(r.dtype == "bfloat16" for r in plan.inputs):
-            notes.append("CPU compile: bf16 collectives run in f32, so compiled bytes of bf16 tensors are doubled; "
-                         "audit fp32 models on CPU")
+            notes.append("CPU compile: bf16 is computed in f32, so the compiled collective bytes and temporaries of "
+                         "bf16 tensors are doubled (memory and bytes are not comparable); audit fp32 models on CPU")
     return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes))
 
 

@@ -56,3 +56,13 @@ def test_gathers_scatters_and_broadcast_operands_are_priced_as_compiled():
     for kind in ("all-gather", "all-reduce"):
         assert rows[kind].predicted_bytes == pytest.approx(rows[kind].compiled_bytes, rel=0.01), a.table()
     assert f.plan.operand_pins
+
+
+def test_cpu_compile_of_a_bf16_model_is_named_not_comparable():
+    ref = reference("gpt-tiny", scan=True, dtype="bfloat16")
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes={"data": 8}), donate_argnums=(0,),
+                       time_limit=2)
+    compiled = f.lower(state, batch).compile()
+    notes = f.plan.audit(compiled).notes
+    assert any("bf16 is computed in f32" in n and "temporaries" in n for n in notes), notes
