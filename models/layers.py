@@ -46,18 +46,20 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
 REMAT_POLICIES = {"none": None, "dots": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
 
 
-def check_remat(policy: str) -> None:
+def checkpoint_policy(policy: str):
+    """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for "none" (no remat)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat={policy!r} is not a policy; choose one of {', '.join(REMAT_POLICIES)}")
+    return None if REMAT_POLICIES[policy] is None else getattr(jax.checkpoint_policies, REMAT_POLICIES[policy])
 
 
 def remat(fn, policy: str, *, in_scan: bool):
     """``fn`` under ``jax.checkpoint`` with the named policy (``REMAT_POLICIES``); "none": ``fn`` itself."""
-    check_remat(policy)
-    if REMAT_POLICIES[policy] is None:
+    saveable = checkpoint_policy(policy)
+    if saveable is None:
         return fn
     # In a scan body CSE across trips cannot undo the recomputation, so prevent_cse is not needed.
-    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, REMAT_POLICIES[policy]), prevent_cse=not in_scan)
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=not in_scan)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -78,7 +80,7 @@ class LayerStack(nnx.Module):
     """``n`` copies of a block, applied in order: a Python list (unrolled) or stacked params under ``jax.lax.scan``."""
 
     def __init__(self, make_block, n: int, *, scan: bool, rngs: nnx.Rngs, remat: str = "none"):
-        check_remat(remat)
+        checkpoint_policy(remat)          # a bad name fails here, naming the policies
         self.scan = scan
         self.remat = remat
         if scan:

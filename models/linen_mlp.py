@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers import REMAT_POLICIES, check_remat
+from models.layers import checkpoint_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +42,8 @@ class MLPStack(nn.Module):
     def __call__(self, tokens):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab, cfg.d_model, param_dtype=jnp.dtype(cfg.dtype))(tokens)
-        check_remat(cfg.remat)
-        block = ResidualMLP
-        if REMAT_POLICIES[cfg.remat] is not None:
-            block = nn.remat(ResidualMLP, policy=getattr(jax.checkpoint_policies, REMAT_POLICIES[cfg.remat]),
-                             prevent_cse=not cfg.scan)
+        saveable = checkpoint_policy(cfg.remat)
+        block = ResidualMLP if saveable is None else nn.remat(ResidualMLP, policy=saveable, prevent_cse=not cfg.scan)
         if cfg.scan:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.n_layers)

@@ -257,7 +257,7 @@ class Graph:
             t = stack.pop()
             reached |= t in outputs
             for prim, outs in self.readers.get(t, []):
-                if prim not in _FUSIBLE and prim not in _ACCUMULATE and prim not in CALL_PRIMITIVES:
+                if prim not in _FUSIBLE and prim not in _ACCUMULATE:      # (calls are walked inline: not readers)
                     return False
                 for o in outs:
                     if o not in seen:

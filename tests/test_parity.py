@@ -60,3 +60,10 @@ def test_rematerialised_step_matches_the_plain_unsharded_step(model, scan, remat
     """Recomputing activations in the backward pass (jax.checkpoint per layer) changes neither the
     parameters nor the losses: the planned remat step equals the plain unsharded step."""
     _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan, remat=remat), mesh)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_unknown_remat_policy_names_the_policies(model):
+    with pytest.raises(ValueError, match=r"remat='some' is not a policy; choose one of none, dots, full"):
+        ref = reference(model, scan=True, remat="some")
+        jax.eval_shape(ref.init, jax.random.key(0))
