@@ -15,12 +15,13 @@ import os
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1024")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:   # run as a script from a checkout: import the checkout's shardplan
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from models.train import reference  # noqa: E402
+from shardplan.models.train import reference  # noqa: E402
 from shardplan.sizes import format_bytes  # noqa: E402
 
 

@@ -10,7 +10,7 @@ batch, on a mesh with axes ``data`` and ``model``:
   row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``,
   with Megatron's sequence parallelism inside the ``model`` group: the residual stream (the
   norm and residual regions) is split along the sequence over ``model``
-  (:func:`activation_rules`, applied through ``models.layers.constrain``), so XLA all-gathers
+  (:func:`activation_rules`, applied through ``shardplan.models.layers.constrain``), so XLA all-gathers
   before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
 - ``megatron-tp``: the same weights without the sequence-parallel constraints (activations left
   to XLA's propagation). It needs more activation memory and, compiled by XLA, is sometimes the

@@ -1,10 +1,10 @@
 """The benchmark harness: the planner against expert hand plans over models, meshes and budgets.
 
-    python -m benchmarks.bench [--quick] [--cells "SUBSTR;SUBSTR"] [--list] [--out benchmarks/results] [--plots]
+    python -m shardplan.benchmarks.bench [--quick] [--cells "SUBSTR;SUBSTR"] [--list] [--out benchmarks/results] [--plots]
     shardplan bench ...                      (the same)
 
 For each cell (model x mesh x memory budget) it plans, lowers and compiles the planner's plan and
-each baseline (:mod:`benchmarks.baselines`) on fake devices of the cell's size, never executing
+each baseline (:mod:`shardplan.benchmarks.baselines`) on fake devices of the cell's size, never executing
 at large sizes. Per plan it reports the predicted step time, the step time the compiled HLO
 implies priced on the cell's mesh (dot FLOPs over peak + HBM bytes of the top-level ops over
 bandwidth + every collective over its links, as :mod:`shardplan.audit` reads them), memory per
@@ -33,15 +33,16 @@ import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):   # fake devices for the cells
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1024").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:   # run as a script from a checkout: import the checkout's shardplan
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from benchmarks.baselines import BASELINES, activation_rules, hand_plan  # noqa: E402
-from models.layers import activation_sharding  # noqa: E402
-from models.train import reference  # noqa: E402
+from shardplan.benchmarks.baselines import BASELINES, activation_rules, hand_plan  # noqa: E402
+from shardplan.models.layers import activation_sharding  # noqa: E402
+from shardplan.models.train import reference  # noqa: E402
 from shardplan.api import trace_step  # noqa: E402
 from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
@@ -58,7 +59,7 @@ class Cell:
     axes: tuple[tuple[str, int], ...]
     budget: str = "hbm"             # "hbm" | "tight" | "infeasible"
     execute: bool = False           # also run it on 8 fake CPU devices
-    remat: str = "none"             # activation recomputation per layer (models.layers.REMAT_POLICIES), all plans
+    remat: str = "none"             # activation recomputation per layer (shardplan.models.layers.REMAT_POLICIES), all plans
 
     @property
     def id(self) -> str:
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = Progress(steps, "bench")
     all_rows: list[Row] = []
     os.makedirs(args.out, exist_ok=True)
-    header = (f"Command: `python -m benchmarks.bench {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+    header = (f"Command: `python -m shardplan.benchmarks.bench {' '.join(argv if argv is not None else sys.argv[1:])}`; "
               f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices.\n\n")
     for cell in cells:
         all_rows += run_cell(cell, args.time_limit, bar)

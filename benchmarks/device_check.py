@@ -21,12 +21,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:   # run as a script from a checkout: import the checkout's shardplan
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from models.train import reference  # noqa: E402
+from shardplan.models.train import reference  # noqa: E402
 from shardplan.calibrate import calibrate  # noqa: E402
 
 DEFAULT_BASE = {"gpu": "h100-8", "tpu": "tpu-v5e-256", "cpu": "cpu-8"}

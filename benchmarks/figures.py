@@ -1,7 +1,7 @@
 """Figures that are not per-cell: planner solve time against layer and device count, and a
 per-layer picture of the chosen strategy.
 
-    python -m benchmarks.figures [--out benchmarks/results]     # needs matplotlib
+    python -m shardplan.benchmarks.figures [--out benchmarks/results]     # needs matplotlib
 
 * ``solve_time.png``: planner wall time for GPT-3 175B shapes on a100-128x8 against the number of
   layers (12..96, scanned, 1 TiB budget), and for gpt3-1.3b (batch 1024, no binding budget)
@@ -20,12 +20,13 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:   # run as a script from a checkout: import the checkout's shardplan
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from models.train import reference  # noqa: E402
+from shardplan.models.train import reference  # noqa: E402
 
 
 def _time_plan(ref, batch, mesh, budget=None) -> float:

@@ -14,7 +14,7 @@ import time
 import jax
 
 import shardplan
-from models.train import reference
+from shardplan.models.train import reference
 
 
 def main() -> None:

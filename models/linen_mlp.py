@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers import checkpoint_policy
+from shardplan.models.layers import checkpoint_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class MLPConfig:
     d_ff: int
     n_layers: int
     scan: bool = False
-    remat: str = "none"               # activation recomputation per layer: models.layers.REMAT_POLICIES
+    remat: str = "none"               # activation recomputation per layer: shardplan.models.layers.REMAT_POLICIES
     dtype: str = "float32"
 
 

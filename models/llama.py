@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import LayerStack, causal_attention, constrain
+from shardplan.models.layers import LayerStack, causal_attention, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,7 @@ class LlamaConfig:
     d_ff: int
     scan: bool = False
     dtype: str = "float32"
-    remat: str = "none"               # activation recomputation per layer: models.layers.REMAT_POLICIES
+    remat: str = "none"               # activation recomputation per layer: shardplan.models.layers.REMAT_POLICIES
     rope_theta: float = 500000.0
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import gpt, linen_mlp, llama
+from shardplan.models import gpt, linen_mlp, llama
 
 MODEL_CONFIGS: dict[str, Any] = {**gpt.CONFIGS, **llama.CONFIGS, **linen_mlp.CONFIGS}
 

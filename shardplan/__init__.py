@@ -8,6 +8,16 @@ PartitionSpec, priced on a device mesh's cost model and held under a per-device 
 ... def train_step(state, batch): ...
 """
 
+import os as _os
+
+# Installed, the repository's models/, benchmarks/ and meshes/ folders are the subpackages
+# shardplan.models, shardplan.benchmarks and shardplan.meshes (pyproject.toml's package-dir). In a
+# source checkout they stand beside this package: look for those subpackages there too.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and \
+        _os.path.isfile(_os.path.join(_checkout, "models", "__init__.py")):
+    __path__.append(_checkout)
+
 from shardplan.api import AutoFunction, auto, plan, search_mesh
 from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanMismatchError,
                               ShardplanError)

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-# models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
+# shardplan.models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
 REMAT_CHOICES = ("none", "dots", "full")
 
 
@@ -36,7 +36,7 @@ def _fake_cpu_devices(n: int) -> None:
 def _cmd_plan(args) -> int:
     import jax
     import shardplan
-    from models.train import reference
+    from shardplan.models.train import reference
 
     search = args.axes == "search"
     mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
@@ -84,7 +84,7 @@ def _cmd_audit(args) -> int:
     mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
     _fake_cpu_devices(mesh.num_devices)      # for the compile
     import jax
-    from models.train import reference
+    from shardplan.models.train import reference
     ref = reference(args.model, scan=args.scan, remat=args.remat)
     print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on {jax.devices()[0].platform} devices ...",
@@ -181,8 +181,8 @@ def _mesh_new(args, extra: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:      # the harness parses its own flags (python -m benchmarks.bench --help)
-        from benchmarks.bench import main as bench_main
+    if argv[:1] == ["bench"]:      # the harness parses its own flags (python -m shardplan.benchmarks.bench --help)
+        from shardplan.benchmarks.bench import main as bench_main
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="shardplan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)

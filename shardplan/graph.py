@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -165,13 +166,16 @@ class Graph:
     def new_tensor(self, aval, name: str, role: str, source: str, mult: float) -> int:
         tid = len(self.tensors)
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
-        dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        dtype, is_key = storage_dtype(getattr(aval, "dtype", np.float32))
         self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult))
         self.loop_of.append(self.current_loop)
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
         for _ in shape:
             self._dims.add()
+        if is_key:      # random keys stay replicated: each device draws the bits of its own shard
+            for d in range(len(shape)):
+                self.pin(tid, d)
         return tid
 
     def dim_key(self, tid: int, dim: int) -> int:
@@ -270,6 +274,17 @@ class Graph:
         for t in self.tensors:
             out.setdefault(self.group_of(t.id), []).append(t.id)
         return out
+
+
+def storage_dtype(dtype) -> tuple[np.dtype, bool]:
+    """The numpy dtype a tensor is stored as, and whether it is a typed random key.
+
+    A typed key (``jax.random.key``: ``key<fry>``) is stored as its implementation's words
+    (two uint32 for threefry): an opaque record of that size.
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return np.dtype((np.void, dtype.itemsize)), True
+    return np.dtype(dtype), False
 
 
 def source_of(eqn) -> str:

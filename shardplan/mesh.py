@@ -267,12 +267,8 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
 
 
 def _preset_dir():
-    """The presets: installed as ``shardplan.meshes``; in a source checkout, the top-level ``meshes/``."""
-    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshes")
-    try:
-        return importlib.resources.files("shardplan.meshes")
-    except ModuleNotFoundError:
-        return importlib.resources.files("shardplan").joinpath(os.path.relpath(checkout, os.path.dirname(__file__)))
+    """The presets: the ``shardplan.meshes`` package (the top-level ``meshes/`` folder)."""
+    return importlib.resources.files("shardplan.meshes")
 
 
 def preset_names() -> list[str]:

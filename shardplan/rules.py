@@ -18,6 +18,9 @@ _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_
 # Params that do not stop a same-shape op from being elementwise.
 _ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype", "exponent_bits",
                        "mantissa_bits"}
+# Primitives of jax.random: key creation, splitting, folding and bit generation.
+_RANDOM = {"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_bits",
+           "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform"}
 _SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
@@ -53,6 +56,20 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         dims += [(l, r, None) for l, r in zip(lc, rc)]
         g.dot_at[id(eqn)] = len(g.dots)
         g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn)))
+        return
+
+    if prim in _RANDOM:
+        # Keys and counters are read whole (replicated); the bits may come out in any sharding:
+        # with partitionable threefry (jax's default) each device draws exactly its shard's bits.
+        if prim == "threefry2x32":
+            for t in operands:
+                for o in outs:
+                    if g.tensors[t].shape == g.tensors[o].shape:
+                        g.union(t, o)
+            return
+        for o in outs:
+            for t in operands:
+                edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
         return
 
     if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 import shardplan
-from models.train import reference
+from shardplan.models.train import reference
 from shardplan.cli import main
 
 

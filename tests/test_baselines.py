@@ -2,8 +2,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.baselines import hand_plan
-from models.train import reference
+from shardplan.benchmarks.baselines import hand_plan
+from shardplan.models.train import reference
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from benchmarks.baselines import activation_rules
-    from models.layers import activation_sharding
+    from shardplan.benchmarks.baselines import activation_rules
+    from shardplan.models.layers import activation_sharding
     from shardplan.hlo import collectives
     from shardplan.mesh import make_jax_mesh
     ref = reference("gpt-tiny", scan=True)
@@ -78,7 +78,7 @@ def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
 
 
 def test_activation_rule_naming_a_missing_mesh_axis_is_a_clear_error():
-    from models.layers import activation_sharding
+    from shardplan.models.layers import activation_sharding
     from shardplan.mesh import make_jax_mesh
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     with pytest.raises(ValueError, match="'seq' names mesh axis 'tensor'.*axes: data, model"):

@@ -1,6 +1,6 @@
 """The benchmark harness's cell selection and its ratio rule (the runs themselves are in CI's --quick)."""
 
-from benchmarks.bench import CELLS, QUICK, Row, main, ratio
+from shardplan.benchmarks.bench import CELLS, QUICK, Row, main, ratio
 
 
 def test_cells_filter_and_quick_subset(capsys):

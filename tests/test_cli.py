@@ -158,7 +158,7 @@ def test_fit_ring_recovers_bandwidth_and_latency():
 
 
 def test_remat_choices_are_the_models_policies():
-    from models.layers import REMAT_POLICIES
+    from shardplan.models.layers import REMAT_POLICIES
     from shardplan.cli import REMAT_CHOICES
     assert set(REMAT_CHOICES) == set(REMAT_POLICIES)
 

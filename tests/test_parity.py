@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import shardplan
-from models.train import reference
+from shardplan.models.train import reference
 
 MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
           "2x2x2": {"data": 2, "fsdp": 2, "model": 2}}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shardplan
-from models.train import reference
+from shardplan.models.train import reference
 from shardplan.mesh import Link
 from shardplan.errors import InfeasibleBudgetError
 

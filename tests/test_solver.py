@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import shardplan
-from models.train import reference
+from shardplan.models.train import reference
 from shardplan.simplify import expand, simplify
 from shardplan.solver import peak_memory, solve, total_cost
 from shardplan.strategies import Node, Problem
