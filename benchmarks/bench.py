@@ -43,12 +43,12 @@ import shardplan  # noqa: E402
 from shardplan.benchmarks.baselines import BASELINES, activation_rules, hand_plan  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan.api import trace_step  # noqa: E402
 from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
 from shardplan.hlo import collectives, dot_flops, hbm_bytes  # noqa: E402
 from shardplan.planner import PlannerOptions, plan_jaxpr  # noqa: E402
 from shardplan.progress import Progress  # noqa: E402
+from shardplan.trace import CallSpec, trace_step  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +169,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     batch = ref.batch(cell.batch, abstract=True)
     mesh_spec = shardplan.load_mesh(cell.preset, axes=axes)
     jax_mesh = mesh_spec.to_jax_mesh()
-    closed, names, arg_of, donated, _, _, _ = trace_step(ref.train_step, (state, batch), (), (0,))
+    traced = trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,)))
+    closed, names, arg_of, donated = traced.closed, traced.names, traced.arg_of, traced.donated
     hbm = mesh_spec.device.hbm_bytes
     options = PlannerOptions(time_limit=time_limit)
     flat_avals = jax.tree.leaves((state, batch))

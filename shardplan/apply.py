@@ -58,7 +58,7 @@ class _Emitter:
             prim, params = eqn.primitive, dict(eqn.params)
             name = prim.name
             computed = None
-            if name == "dot_general":
+            if name in ("dot_general", "conv_general_dilated"):
                 out_tid = self.g.eqn_outputs.get((id(eqn), 0))
                 if out_tid in self.dot_operands:
                     lhs, rhs, *computed = self.dot_operands[out_tid]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
@@ -73,9 +74,23 @@ class CostModel:
         self.mesh = mesh
         self._sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self._links = {a.name: a.link for a in mesh.axes}
+        # The planner asks the same questions of many tensors of one shape: answers are memoised
+        # per instance (a method-level cache would keep every model alive for good).
+        self._memo: dict[tuple, Any] = {}
+
+    def _cached(self, key: tuple, compute):
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = compute()
+            return value
 
     def shards(self, axes: Iterable[str]) -> int:
-        return math.prod(self._sizes[a] for a in axes)
+        key = axes if isinstance(axes, tuple) else tuple(axes)
+        n = self._memo.get(key)
+        if n is None:
+            n = self._memo[key] = math.prod(self._sizes[a] for a in key)
+        return n
 
     def per_device_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
         """Bytes one device holds; an uneven split is priced at its largest shard."""
@@ -95,6 +110,9 @@ class CostModel:
         return sorted(levels, key=lambda level: -level[1])
 
     def collective_time(self, comm: Comm) -> float:
+        return self._cached(("time", comm), lambda: self._collective_time(comm))
+
+    def _collective_time(self, comm: Comm) -> float:
         """Ring formulas with a latency term per step, run hierarchically over the links it spans.
 
         Over axes on one link: a ring, (n-1)/n of the buffer over its bandwidth plus n-1 latencies
@@ -135,6 +153,10 @@ class CostModel:
         return factor * sum((size - 1) * latency for size, _, latency in self._levels(comm.axes))
 
     def reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
+        key = ("reshard", tuple(shape), itemsize, src, dst)
+        return list(self._cached(key, lambda: tuple(self._reshard(shape, itemsize, src, dst))))
+
+    def _reshard(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[Comm]:
         """The collectives that turn an array sharded as ``src`` into one sharded as ``dst``, as XLA emits them.
 
         Slicing is local and comes first (it shrinks what moves). On a dimension split by several
@@ -201,6 +223,14 @@ class CostModel:
     def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
                        partial: Sequence[str], dst: Spec,
                        groups: Sequence[Sequence[str]] | None = None) -> list[Comm]:
+        key = ("reduce", tuple(shape), itemsize, produced, tuple(partial), dst,
+               None if groups is None else tuple(map(tuple, groups)))
+        return list(self._cached(key, lambda: tuple(self._reduce_partial(shape, itemsize, produced, partial, dst,
+                                                                           groups))))
+
+    def _reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
+                        partial: Sequence[str], dst: Spec,
+                        groups: Sequence[Sequence[str]] | None = None) -> list[Comm]:
         """Collectives that sum a result that is partial over mesh axes ``partial`` and reshard it to ``dst``.
 
         As XLA's partitioner does it: partial axes that ``dst`` shards on its first such dimension

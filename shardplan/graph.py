@@ -77,7 +77,12 @@ class PairEdge:
 
 @dataclasses.dataclass(frozen=True)
 class DotOp:
-    """A ``dot_general``: dims are lists of (lhs dim, rhs dim, out dim) with None where absent."""
+    """A ``dot_general`` or convolution: dims are (lhs dim, rhs dim, out dim) with None where absent.
+
+    ``fixed`` holds the indices of dims that are never sharded (a convolution's spatial and
+    window dims, grouped features); ``sizes`` the iteration extent of each dim where it is not
+    the operand's dim size (a convolution's output positions, a grouped feature dim).
+    """
 
     lhs: int
     rhs: int
@@ -85,6 +90,8 @@ class DotOp:
     dims: tuple[tuple[int | None, int | None, int | None], ...]
     mult: float
     source: str
+    fixed: frozenset[int] = frozenset()
+    sizes: tuple[int, ...] | None = None
 
 
 class _UnionFind:
@@ -399,7 +406,7 @@ class _Walker:
                     continue
                 readers = g.readers.get(t, [])
                 # XLA folds a transpose into the dots that read it (its TransposeFolding pass).
-                fold = _FUSIBLE | {"dot_general"} if made[0] == "transpose" else _FUSIBLE
+                fold = _FUSIBLE | {"dot_general", "conv_general_dilated"} if made[0] == "transpose" else _FUSIBLE
                 if not readers or any(p not in fold for p, _ in readers):
                     continue
                 if len(readers) > 1 and made[0] in _EXPENSIVE:
@@ -517,8 +524,10 @@ def _live_sets(g: Graph, level: _Level):
         live = {t for t in live if level.last_use.get(t, -1) > i}
 
 
-def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12) -> Graph:
-    """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths)."""
+def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12,
+                ties: Sequence[tuple[int, int]] = ()) -> Graph:
+    """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths);
+    each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew)."""
     g = Graph()
     jaxpr = closed_jaxpr.jaxpr
     ins = [g.new_tensor(v.aval, name, "input", name, 1.0) for v, name in zip(jaxpr.invars, input_names)]
@@ -531,6 +540,10 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
         if t is not None and g.tensors[t].role == "activation":
             g.tensors[t].role = "output"
     g.outputs = outs
+    for i, j in ties:
+        a, b = ins[i], outs[j]
+        if b is not None and g.tensors[a].shape == g.tensors[b].shape:
+            g.union(a, b)
     always = set(consts + ins)
     scored = []
     for live in _live_sets(g, level):

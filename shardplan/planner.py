@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
 from shardplan.errors import InfeasibleBudgetError
+from shardplan.exact import solve_exact
 from shardplan.graph import Graph, build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
 from shardplan.rules import apply_rule
-from shardplan.simplify import expand, simplify
+from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats, peak_memory, solve, total_cost
 from shardplan.strategies import Enumerator
@@ -28,14 +29,14 @@ class PlannerOptions:
     tie_layers: bool = True           # repeated layers share one choice (solved once)
 
 
-def role_of(path: str, arg_index: int) -> str:
-    """A readable role for an input leaf from its pytree path."""
+def role_of(path: str, arg: int | str) -> str:
+    """A readable role for an input leaf from its pytree path and argument (index or keyword name)."""
     low = path.lower()
     if "opt_state" in low:
         return "opt_state"
     if "param" in low:
         return "params"
-    return "batch" if arg_index > 0 else "state"
+    return "state" if arg == 0 else "batch"
 
 
 def graph_fingerprint(g: Graph) -> str:
@@ -44,13 +45,18 @@ def graph_fingerprint(g: Graph) -> str:
 
 def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[int], mesh: MeshSpec,
                budget_bytes: int, *, donated: Sequence[bool] = (), options: PlannerOptions = PlannerOptions(),
-               in_tree=None, out_tree=None, fixed_inputs: Sequence[Spec | None] | None = None) -> tuple[Plan, Graph]:
-    """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (positional arg of each in ``input_args``).
+               in_tree=None, out_tree=None, fixed_inputs: Sequence[Spec | None] | None = None,
+               state_pairs: Sequence[tuple[int, int]] = (), out_names: Sequence[str] | None = None
+               ) -> tuple[Plan, Graph]:
+    """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (the argument of each in ``input_args``).
 
     ``fixed_inputs`` pins the spec of some inputs (``None``: free), e.g. to price a hand-written
     plan's parameter and batch shardings with the best activation shardings around them.
+    ``state_pairs`` lists (flat input, flat output) pairs where the step returns a state leaf in
+    place of an input: each pair gets one sharding, so the next call takes the output as it is.
+    ``out_names`` names the flat outputs (pytree paths of the result).
     """
-    graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points)
+    graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs)
     donated_outputs = _donated_outputs(graph, donated)
     model = CostModel(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
@@ -60,25 +66,29 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     solved = tied.problem if tied else problem
     reduced = simplify(solved)
 
-    def full_choice(sol) -> list[int]:
-        choice = expand(reduced, sol.choice, len(solved.nodes))
+    def full_choice(sol, keep) -> list[int]:
+        choice = expand(reduced, [int(k[c]) for k, c in zip(keep, sol.choice)], len(solved.nodes))
         return untie(tied, choice) if tied else choice
 
     start = time.perf_counter()
     # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
-    sol = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit,
-                relative_gap=options.relative_gap)
-    choice = full_choice(sol)
+    # Memory plays no part there, so far more options are dead ends than under a budget.
+    # Solved exactly by variable elimination where the problem is narrow enough (most steps).
+    free, keep = eliminate_dead_ends(reduced.problem, memory=False)
+    sol = solve_exact(free) or solve(free, budget_bytes=None, time_limit=options.time_limit,
+                                     relative_gap=options.relative_gap)
+    choice = full_choice(sol, keep)
     if peak_memory(problem, choice) > budget_bytes:
-        sol = solve(reduced.problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
+        bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
+        sol = solve(bounded, budget_bytes=budget_bytes, time_limit=options.time_limit,
                     relative_gap=options.relative_gap)
         if sol is None:
-            sol = _memory_first(reduced.problem, budget_bytes, options)
+            sol = _memory_first(bounded, budget_bytes, options)
             if sol is None:
                 _raise_infeasible(graph, enum, reduced, budget_bytes, options)
-        choice = full_choice(sol)
+        choice = full_choice(sol, keep)
     stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
-    plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree)
+    plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
     return plan, graph
 
 
@@ -134,7 +144,7 @@ def _raise_infeasible(graph, enum, reduced, budget_bytes, options):
 
 
 def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
-               input_args, in_tree, out_tree) -> Plan:
+               input_args, in_tree, out_tree, out_names=None) -> Plan:
     model = enum.m
     spec_of: dict[int, Spec] = {}
     for node, i in zip(problem.nodes, choice):
@@ -201,8 +211,10 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     by_role: dict[str, float] = {}
     for r in inputs:
         by_role[r.role] = by_role.get(r.role, 0.0) + r.bytes_per_device
-    outputs = tuple(row(t, "output", f"out{i}") if t is not None else
-                    TensorPlan(-1, f"out{i}", "output", (), "float32", (), 0.0, 0.0) for i, t in enumerate(graph.outputs))
+    out_names = list(out_names) if out_names is not None else [f"out{i}" for i in range(len(graph.outputs))]
+    outputs = tuple(row(t, "output", out_names[i]) if t is not None else
+                    TensorPlan(-1, out_names[i], "output", (), "float32", (), 0.0, 0.0)
+                    for i, t in enumerate(graph.outputs))
     seen = set(graph.inputs) | {t for t in graph.outputs if t is not None}
     acts = tuple(row(t.id, "activation") for t in graph.tensors if t.rank and t.id not in seen)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,

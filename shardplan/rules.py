@@ -21,6 +21,8 @@ _ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "o
 # Primitives of jax.random: key creation, splitting, folding and bit generation.
 _RANDOM = {"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_bits",
            "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform"}
+_WINDOWED = {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+             "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"}
 _SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
@@ -70,6 +72,29 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         for o in outs:
             for t in operands:
                 edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+        return
+
+    if prim == "conv_general_dilated":
+        _conv_rule(g, eqn, ins, out, mult)
+        return
+
+    if prim in _WINDOWED:
+        # Pooling and its gradient: dims the window slides over (or strides, pads, dilates) are
+        # whole on every device; batch and feature dims keep any sharding.
+        w = p["window_dimensions"]
+        moved = {d for d in range(len(w)) if w[d] != 1 or p["window_strides"][d] != 1
+                 or tuple(p["padding"][d]) != (0, 0)
+                 or (p.get("base_dilation") or (1,) * len(w))[d] != 1
+                 or (p.get("window_dilation") or (1,) * len(w))[d] != 1}
+        for t in operands:
+            if _rank(g, t) == len(w):
+                edge(t, out, required=lambda s, moved=moved: _clear(s, moved))
+        return
+
+    if prim == "top_k":
+        last = _rank(g, ins[0]) - 1
+        for o in outs:
+            edge(ins[0], o, required=lambda s, last=last: _clear(s, {last}))
         return
 
     if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
@@ -173,6 +198,32 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     for o in outs:
         for t in operands:
             edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
+    """A convolution as a dot: batch (lhs, out), output features (rhs, out), input features
+    contracted; output positions and the kernel window never sharded (XLA would need halo
+    exchanges), nor grouped features (depthwise convolutions: only the batch splits)."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    lhs, rhs = ins[0], ins[1]
+    lshape, rshape, oshape = g.tensors[lhs].shape, g.tensors[rhs].shape, g.tensors[out].shape
+    grouped = p["feature_group_count"] > 1 or p["batch_group_count"] > 1
+    dims = [(lhs_spec[0], None, out_spec[0]), (None, rhs_spec[0], out_spec[1]), (lhs_spec[1], rhs_spec[1], None)]
+    sizes = [lshape[lhs_spec[0]] // p["batch_group_count"], rshape[rhs_spec[0]], rshape[rhs_spec[1]]]
+    fixed = {1, 2} if grouped else set()
+    if p["batch_group_count"] > 1:
+        fixed.add(0)
+    for i in range(len(lhs_spec) - 2):
+        fixed.add(len(dims))
+        dims.append((lhs_spec[2 + i], None, out_spec[2 + i]))
+        sizes.append(oshape[out_spec[2 + i]])
+        fixed.add(len(dims))
+        dims.append((None, rhs_spec[2 + i], None))
+        sizes.append(rshape[rhs_spec[2 + i]])
+    g.dot_at[id(eqn)] = len(g.dots)
+    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn), frozenset(fixed), tuple(sizes)))
 
 
 def _reshape_rule(shape_in, shape_out):

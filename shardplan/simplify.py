@@ -134,6 +134,57 @@ def _prune_dominated(nodes, edges, adj, kept, steps) -> None:
                 edges[(m, n)] = edges[(m, n)][:, keep]
 
 
+def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> tuple[Problem, list[np.ndarray]]:
+    """Drop options that can never be needed for an optimum (Goldstein's dead-end elimination).
+
+    Option ``i`` of a node goes when some other live option ``j`` costs no more whatever the
+    neighbours choose: ``cost[i] - cost[j] + sum over neighbours of min_k (T[i, k] - T[j, k]) >= 0``
+    (and, with ``memory``, ``j`` holds no more bytes at any checkpoint, so the swap fits whatever
+    budget ``i`` fits). Swapping ``i`` for ``j`` in any plan never costs more, so an optimum
+    survives. Returns the smaller problem and, per node, the original indices of its options.
+    """
+    nodes = list(problem.nodes)
+    edges = dict(problem.edges)
+    adj: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
+    for a, b in edges:
+        adj[a].append(b)
+        adj[b].append(a)
+    keep = [np.arange(len(n.options)) for n in nodes]
+    for _ in range(rounds):
+        changed = False
+        for n, node in enumerate(nodes):
+            k = len(node.options)
+            if k < 2:
+                continue
+            margin = node.cost[:, None] - node.cost[None, :]
+            for m in adj[n]:
+                t = _table(edges, n, m)
+                margin = margin + (t[:, None, :] - t[None, :, :]).min(axis=2)
+            ok = margin >= 0                      # ok[i, j]: j is never worse than i
+            if memory:
+                ok &= (node.memory[:, None, :] >= node.memory[:, :, None]).all(axis=0).T
+            np.fill_diagonal(ok, False)
+            alive = np.ones(k, bool)
+            for i in range(k):
+                if ok[i, alive].any():
+                    alive[i] = False
+            if alive.all():
+                continue
+            changed = True
+            idx = np.nonzero(alive)[0]
+            keep[n] = keep[n][idx]
+            nodes[n] = dataclasses.replace(node, options=[node.options[i] for i in idx], cost=node.cost[idx],
+                                           memory=node.memory[:, idx])
+            for m in adj[n]:
+                if n < m:
+                    edges[(n, m)] = edges[(n, m)][idx, :]
+                else:
+                    edges[(m, n)] = edges[(m, n)][:, idx]
+        if not changed:
+            break
+    return Problem(nodes, edges, problem.base_memory, problem.node_of_group, problem.node_of_dot), keep
+
+
 def expand(reduced: Reduced, choice: list[int], num_nodes: int) -> list[int]:
     """Full per-node choice from the reduced problem's choice."""
     full: list[int | None] = [None] * num_nodes

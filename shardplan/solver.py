@@ -58,6 +58,7 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
         model.AddExactlyOne(vs)
         x.append(vs)
     objective = []
+    products = []      # (node a, node b, product booleans) of each full edge table
     for n, node in enumerate(problem.nodes):
         lo = float(node.cost.min())
         for v, c in zip(x[n], _int(node.cost - lo, TIME_UNIT)):
@@ -86,6 +87,7 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
             continue
         # Full product with marginal constraints: tight LP relaxation (exact on trees).
         z = [[model.NewBoolVar("") for _ in range(ints.shape[1])] for _ in range(ints.shape[0])]
+        products.append((a, b, z))
         for i in range(ints.shape[0]):
             model.Add(sum(z[i]) == x[a][i])
         for j in range(ints.shape[1]):
@@ -122,9 +124,15 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     else:
         model.Minimize(sum(objective))
     start_choice = hint if hint is not None else greedy(problem)
+    # A complete hint (the product booleans too) is a solution CP-SAT takes as it is: it starts
+    # from the local-search plan instead of having to repair a partial assignment.
     for n, best in enumerate(start_choice):
         for i, v in enumerate(x[n]):
             model.AddHint(v, i == best)
+    for a, b, z in products:
+        for i, row in enumerate(z):
+            for j, v in enumerate(row):
+                model.AddHint(v, i == start_choice[a] and j == start_choice[b])
 
     solver = cp_model.CpSolver()
     # The limit is in CP-SAT's deterministic time (about seconds of work on one core), so the same

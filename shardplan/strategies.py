@@ -122,12 +122,9 @@ class Enumerator:
 
     def dot_options(self, dot_index: int) -> list[tuple[tuple[str, ...], ...]]:
         dot = self.g.dots[dot_index]
-        lhs, rhs, out = (self.g.tensors[t] if t is not None else None for t in (dot.lhs, dot.rhs, dot.out))
-        dim_size = []
-        for l, r, o in dot.dims:
-            dim_size.append(lhs.shape[l] if l is not None else rhs.shape[r])
-        per_axis = [[i for i, n in enumerate(dim_size) if n % size == 0 and n >= size] if size > 1 else []
-                    for size in self.sizes]
+        dim_size = self.dot_sizes(dot)
+        per_axis = [[i for i, n in enumerate(dim_size) if n % size == 0 and n >= size and i not in dot.fixed]
+                    if size > 1 else [] for size in self.sizes]
         options = []
         for pick in _assignments(per_axis):
             option = [()] * len(dot.dims)
@@ -137,6 +134,13 @@ class Enumerator:
             if all(dim_size[i] % self.m.shards(a) == 0 for i, a in enumerate(option) if a):
                 options.append(tuple(option))
         return options
+
+    def dot_sizes(self, dot) -> tuple[int, ...]:
+        """The iteration extent of each of a dot's dims."""
+        if dot.sizes is not None:
+            return dot.sizes
+        lhs, rhs = self.g.tensors[dot.lhs], self.g.tensors[dot.rhs]
+        return tuple(lhs.shape[l] if l is not None else rhs.shape[r] for l, r, _ in dot.dims)
 
     @staticmethod
     def tensor_spec_from(graph: Graph, tid: int, option: dict[int, tuple[str, ...]]) -> Spec:
@@ -272,8 +276,7 @@ class Enumerator:
     def dot_compute(self, dot, option) -> float:
         req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
         flops = 2.0
-        for (l, r, o), axes in zip(dot.dims, option):
-            size = self.g.tensors[dot.lhs].shape[l] if l is not None else self.g.tensors[dot.rhs].shape[r]
+        for size, axes in zip(self.dot_sizes(dot), option):
             flops *= math.ceil(size / self.m.shards(axes))
         nbytes = self._bytes(dot.lhs, req_l) + self._bytes(dot.rhs, req_r) + self._bytes(dot.out, prod)
         return self.m.compute_time(flops, nbytes, self.g.tensors[dot.lhs].dtype.name)
@@ -343,16 +346,29 @@ class Enumerator:
             else:
                 edges[(b, a)] = edges.get((b, a), 0) + table.T
 
+        moves: dict[tuple, float] = {}     # (shape, itemsize, mult, have, need) -> seconds, across edges
         for e in g.edges:
             a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
-            cache: dict[tuple[Spec, Spec], float] = {}
             table = np.zeros((len(nodes[a].options), len(nodes[b].options)))
-            for i, s in enumerate(spec_of[e.src]):
-                for j, d in enumerate(spec_of[e.dst]):
-                    key = (s, d)
-                    if key not in cache:
-                        cache[key] = sum(sec for _, sec in self.edge_comms(e, s, d))
-                    table[i, j] = cache[key]
+            if e.required is not None and e.passthrough is None:
+                # The operand is resharded to what the op requires: the price depends only on
+                # the operand's shape and the two specs, shared by every edge that moves alike.
+                src = g.tensors[e.src]
+                needs = [e.required(d) for d in spec_of[e.dst]]
+                for i, have in enumerate(spec_of[e.src]):
+                    for j, need in enumerate(needs):
+                        key = (src.shape, src.dtype.itemsize, e.mult, have, need)
+                        if key not in moves:
+                            moves[key] = sum(sec for _, sec in self.priced(
+                                self.m.reshard(src.shape, src.dtype.itemsize, have, need), e.mult))
+                        table[i, j] = moves[key]
+            else:
+                cache: dict[tuple[Spec, Spec], float] = {}
+                for i, have in enumerate(spec_of[e.src]):
+                    for j, d in enumerate(spec_of[e.dst]):
+                        if (have, d) not in cache:
+                            cache[(have, d)] = sum(sec for _, sec in self.edge_comms(e, have, d))
+                        table[i, j] = cache[(have, d)]
             add_table(a, b, table)
 
         node_of_dot: dict[int, int] = {}
