@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardplan.models import gpt, linen_mlp, llama
+from shardplan.models import gpt, linen_mlp, llama, resnet, vit
 
-MODEL_CONFIGS: dict[str, Any] = {**gpt.CONFIGS, **llama.CONFIGS, **linen_mlp.CONFIGS}
+MODEL_CONFIGS: dict[str, Any] = {**gpt.CONFIGS, **llama.CONFIGS, **linen_mlp.CONFIGS, **resnet.CONFIGS,
+                                  **vit.CONFIGS}
+_IMAGE_CONFIGS = (resnet.ResNetConfig, vit.ViTConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,16 @@ class Reference:
     train_step: Callable[[Any, Any], Any]
 
     def batch(self, batch_size: int, seed: int = 0, abstract: bool = False):
+        """Token models: ``inputs`` and ``targets`` of [batch, seq_len] token ids; image models:
+        ``inputs`` [batch, height, width, channels] float32 and ``targets`` [batch] class ids."""
+        if isinstance(self.config, _IMAGE_CONFIGS):
+            c = self.config
+            shape = (batch_size, c.image_size, c.image_size, c.channels)
+            if abstract:
+                return {"inputs": jax.ShapeDtypeStruct(shape, jnp.float32),
+                        "targets": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+            k1, k2 = jax.random.split(jax.random.key(seed))
+            return {"inputs": jax.random.normal(k1, shape), "targets": jax.random.randint(k2, (batch_size,), 0, c.classes)}
         shape = (batch_size, self.config.seq_len)
         if abstract:
             spec = jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -54,16 +66,18 @@ def reference(name: str, *, scan: bool = False, optimizer: optax.GradientTransfo
     cfg = dataclasses.replace(MODEL_CONFIGS[name], scan=scan, **overrides)
     tx = optimizer if optimizer is not None else optax.adamw(1e-3, weight_decay=0.1)
 
-    if isinstance(cfg, linen_mlp.MLPConfig):
-        module = linen_mlp.MLPStack(cfg)
+    if isinstance(cfg, (linen_mlp.MLPConfig, vit.ViTConfig)):
+        module = linen_mlp.MLPStack(cfg) if isinstance(cfg, linen_mlp.MLPConfig) else vit.ViT(cfg)
+        example = jnp.zeros((1, cfg.seq_len), jnp.int32) if isinstance(cfg, linen_mlp.MLPConfig) else \
+            jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.channels))
 
         def init_params(rng):
-            return module.init(rng, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+            return module.init(rng, example)["params"]
 
         def apply(params, tokens):
             return module.apply({"params": params}, tokens)
     else:
-        ctor = gpt.GPT if isinstance(cfg, gpt.GPTConfig) else llama.Llama
+        ctor = {gpt.GPTConfig: gpt.GPT, llama.LlamaConfig: llama.Llama, resnet.ResNetConfig: resnet.ResNet}[type(cfg)]
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: ctor(cfg, rngs=nnx.Rngs(0))))
 
         def init_params(rng):

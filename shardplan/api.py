@@ -11,6 +11,7 @@ from typing import Any, overload
 
 import jax
 
+from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
 from shardplan.errors import InfeasibleBudgetError
 from shardplan.hardware import spec_for_mesh
@@ -37,10 +38,17 @@ def _budget(memory_budget, mesh_spec: MeshSpec) -> int:
     return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.hbm_bytes
 
 
-def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions):
-    return plan_jaxpr(traced.closed, traced.names, traced.arg_of, mesh_spec, budget, donated=traced.donated,
-                      options=options, in_tree=traced.in_tree, out_tree=traced.out_tree,
-                      state_pairs=traced.state_pairs, out_names=traced.out_names)
+def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions, cache=True):
+    """Plan a traced step, or read its plan back from the on-disk cache (:mod:`shardplan.cache`)."""
+    directory = plan_cache.cache_dir(cache)
+    key = plan_cache.plan_key(traced, mesh_spec, budget, options) if directory else ""
+    cached = plan_cache.load(directory, key)
+    p, graph = plan_jaxpr(traced.closed, traced.names, traced.arg_of, mesh_spec, budget, donated=traced.donated,
+                          options=options, in_tree=traced.in_tree, out_tree=traced.out_tree,
+                          state_pairs=traced.state_pairs, out_names=traced.out_names, cached=cached)
+    if cached is None:
+        plan_cache.store(directory, key, p)
+    return p, graph
 
 
 class _Compiled:
@@ -80,8 +88,9 @@ class AutoFunction:
 
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
-                 **jit_kwargs):
+                 cache=True, **jit_kwargs):
         functools.update_wrapper(self, fn)
+        self.cache = cache
         self.fn = fn
         self.mesh_spec = _mesh_spec(mesh, hardware)
         self._jax_mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None
@@ -96,7 +105,7 @@ class AutoFunction:
         key = signature(self.call, args, kwargs)
         if key not in self._cache:
             traced = trace_step(self.fn, args, kwargs, self.call)
-            plan, graph = _plan_traced(traced, self.mesh_spec, self.budget, self.options)
+            plan, graph = _plan_traced(traced, self.mesh_spec, self.budget, self.options, self.cache)
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
         self._last = self._cache[key]
@@ -135,26 +144,27 @@ def auto(fn: Callable, **kwargs) -> AutoFunction: ...
 def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
-def auto(fn=None, *, mesh, hardware=None, memory_budget=None, time_limit: float = 30.0, **jit_kwargs):
+def auto(fn=None, *, mesh, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
-    preset name or a mesh file. ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums``,
-    ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
+    preset name or a mesh file. ``cache``: plans are kept on disk (:mod:`shardplan.cache`; ``True``:
+    the default directory, a path: that one, ``False``: off). ``jit_kwargs`` are ``jax.jit``'s:
+    ``static_argnums``, ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
 
     >>> @shardplan.auto(mesh="h100-8", memory_budget="60GiB", donate_argnums=(0,))   # doctest: +SKIP
     ... def train_step(state, batch): ...
     """
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
-                                 time_limit=time_limit, **jit_kwargs)
+                                 time_limit=time_limit, cache=cache, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
-                        **jit_kwargs)
+                        cache=cache, **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),
          static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (),
-         donate_argnames: Sequence[str] = (), time_limit: float = 30.0, **kwargs) -> Plan:
+         donate_argnames: Sequence[str] = (), time_limit: float = 30.0, cache=True, **kwargs) -> Plan:
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
 
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
@@ -162,7 +172,8 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     mesh_spec = _mesh_spec(mesh, hardware)
     call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
     traced = trace_step(fn, args, kwargs, call)
-    p, _ = _plan_traced(traced, mesh_spec, _budget(memory_budget, mesh_spec), PlannerOptions(time_limit=time_limit))
+    p, _ = _plan_traced(traced, mesh_spec, _budget(memory_budget, mesh_spec), PlannerOptions(time_limit=time_limit),
+                        cache)
     return p
 
 

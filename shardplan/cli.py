@@ -1,14 +1,18 @@
 """The ``shardplan`` command line: ``shardplan plan`` plans a reference model on a mesh preset;
 ``shardplan audit`` also compiles the planned step on fake devices and holds the prediction
 against the compiled HLO; ``shardplan mesh list|show`` inspects presets. Errors print one line and
-exit 2, no traceback."""
+exit 2, no traceback; Ctrl-C exits 130 and writes nothing."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import signal
 import sys
+import threading
 
 # shardplan.models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
 REMAT_CHOICES = ("none", "dots", "full")
@@ -24,6 +28,110 @@ def _parse_axes(text: str | None) -> dict[str, int] | None:
             raise ValueError(f"--axes {text!r}: write it as name=size,name=size (e.g. data=2,model=4)")
         out[name.strip()] = int(size)
     return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error style: one line on stderr and exit 2, no usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# Flag types: a bad value fails while the flags are parsed, before anything is traced or solved.
+
+def _int_at_least(low: int, example: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            kind = "a positive integer" if low == 1 else f"an integer of at least {low}"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give e.g. {example}")
+        return value
+    return parse
+
+
+def _time_limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number; give the limit of each ILP solve in "
+                                         "CP-SAT deterministic time (about seconds of one core), e.g. --time-limit 30")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    from shardplan.sizes import parse_bytes
+    try:
+        return parse_bytes(text, what="")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _output_file(text: str) -> str:
+    """A path the plan can be written to (checked before planning, so that a long solve is not wasted)."""
+    if not text:
+        raise argparse.ArgumentTypeError("give a file path, e.g. --json plan.json")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path, e.g. "
+                                         f"{os.path.join(text, 'plan.json')}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(f"the folder of {text}, {folder}, {what}; create it or give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"the folder of {text}, {folder}, is not writable; give a path in a folder "
+                                         "you can write to")
+    return text
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``path`` through ``path.tmp``: an error or Ctrl-C leaves the old file (or none) and no ``.tmp``."""
+    tmp = path + ".tmp"
+    created = False
+    try:
+        with open(tmp, "w") as f:
+            created = True
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C inside ends the command with KeyboardInterrupt, which main() turns into exit 130, nothing written.
+
+    The handler records the interrupt as well as raising it, so that one swallowed on the way still
+    ends the command when the block returns; on the way out the previous handler is put back. That
+    also undoes CP-SAT's handling: a solve with ``catch_sigint_signal`` (CP-SAT's default) installs
+    its own C-level SIGINT handler for the solve, which stops the search and returns the incumbent
+    as FEASIBLE (Python never sees the signal), and resets SIGINT to SIG_DFL afterwards, so that
+    the next Ctrl-C would kill the process outright. A Ctrl-C during a CP-SAT solve is only seen
+    once shardplan/solver.py solves with ``catch_sigint_signal = False``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+
+    def on_sigint(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _fake_cpu_devices(n: int) -> None:
@@ -43,38 +151,36 @@ def _cmd_plan(args) -> int:
     # "auto": the least recomputation whose plan fits (recomputing costs compute, so the first
     # policy that fits is the fastest one that does).
     policies = REMAT_CHOICES if args.remat == "auto" else (args.remat,)
-    for k, remat in enumerate(policies):
-        ref = reference(args.model, scan=args.scan, remat=remat)
-        print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {remat}, "
-              f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
-              file=sys.stderr, flush=True)
-        state = jax.eval_shape(ref.init, jax.random.key(0))
-        batch = ref.batch(args.batch, abstract=True)
-        try:
-            if search:
-                plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
-                                                    memory_budget=args.memory_budget, donate_argnums=(0,),
-                                                    time_limit=args.time_limit)
-                for axes, step_s, secs in tried:
-                    shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
-                    print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
-            else:
-                plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
-                                      donate_argnums=(0,), time_limit=args.time_limit)
-            break
-        except shardplan.InfeasibleBudgetError as e:
-            if k == len(policies) - 1:
-                raise
-            print(f"remat {remat}: no plan fits ({str(e).splitlines()[0][:160]}); trying more recomputation",
-                  file=sys.stderr)
+    with _interruptible():
+        for k, remat in enumerate(policies):
+            ref = reference(args.model, scan=args.scan, remat=remat)
+            print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {remat}, "
+                  f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
+                  file=sys.stderr, flush=True)
+            state = jax.eval_shape(ref.init, jax.random.key(0))
+            batch = ref.batch(args.batch, abstract=True)
+            try:
+                if search:
+                    plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
+                                                        memory_budget=args.memory_budget, donate_argnums=(0,),
+                                                        time_limit=args.time_limit)
+                    for axes, step_s, secs in tried:
+                        shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
+                        print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
+                else:
+                    plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
+                                          donate_argnums=(0,), time_limit=args.time_limit)
+                break
+            except shardplan.InfeasibleBudgetError as e:
+                if k == len(policies) - 1:
+                    raise
+                print(f"remat {remat}: no plan fits ({str(e).splitlines()[0][:160]}); trying more recomputation",
+                      file=sys.stderr)
     if args.remat == "auto":
         print(f"remat auto: {remat} is the least recomputation that fits", file=sys.stderr)
     print(plan.explain(max_activations=args.activations))
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, args.json)     # never leave a half-written plan on disk
+        _write_atomically(args.json, plan.to_json())     # never a half-written plan on disk
         print(f"plan written to {args.json}", file=sys.stderr)
     return 0
 
@@ -93,8 +199,9 @@ def _cmd_audit(args) -> int:
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
                        time_limit=args.time_limit)
-    compiled = f.lower(state, batch).compile()
-    report = f.plan.audit(compiled)
+    with _interruptible():
+        compiled = f.lower(state, batch).compile()
+        report = f.plan.audit(compiled)
     print(report.table())
     return 1 if report.divergences() else 0
 
@@ -108,7 +215,12 @@ def _cmd_mesh(args, extra: list[str]) -> int:
             print(f"{name:<12} {m.num_devices:>5} x {m.device.name:<26} axes {dict(zip(m.axis_names, m.axis_sizes))}")
         return 0
     if args.mesh_cmd == "validate":
-        m = shardplan.load_mesh(args.path)
+        try:
+            m = shardplan.load_mesh(args.path)
+        except shardplan.MeshConfigError as e:    # every problem of the file, one line each
+            for line in getattr(e, "problems", None) or [str(e)]:
+                print(f"shardplan: error: {line}", file=sys.stderr)
+            return 2
         print(f"{args.path}: valid: {m.name}, {m.num_devices} x {m.device.name}, "
               f"axes {dict(zip(m.axis_names, m.axis_sizes))}")
         return 0
@@ -181,25 +293,37 @@ def _mesh_new(args, extra: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("shardplan: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:      # the harness parses its own flags (python -m shardplan.benchmarks.bench --help)
         from shardplan.benchmarks.bench import main as bench_main
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="shardplan", description=__doc__)
+    parser = _Parser(prog="shardplan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="plan a reference model's train step on a mesh preset or file")
     p.add_argument("--model", default="gpt2-small", help="reference model config (models/train.py MODEL_CONFIGS)")
     p.add_argument("--mesh", default="h100-8", help="preset name or mesh file path")
     p.add_argument("--axes", default=None, help="override the logical mesh axes, e.g. data=2,model=4; "
                                                 "'search' tries every data x model shape and keeps the best")
-    p.add_argument("--batch", type=int, default=16, help="global batch size")
+    p.add_argument("--batch", type=_int_at_least(1, "--batch 16"), default=16, help="global batch size")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
     p.add_argument("--remat", default="none", choices=REMAT_CHOICES + ("auto",),
                    help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
                         "inputs), or auto (the least of these whose plan fits the budget)")
-    p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 60GiB (default: device HBM)")
-    p.add_argument("--time-limit", type=float, default=30.0, help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
-    p.add_argument("--activations", type=int, default=20, help="activation rows to print")
-    p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--memory-budget", type=_byte_size, default=None,
+                   help="per-device budget, e.g. 60GiB or 6e10 (default: device HBM)")
+    p.add_argument("--time-limit", type=_time_limit, default=30.0,
+                   help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
+    p.add_argument("--activations", type=_int_at_least(0, "--activations 20"), default=20,
+                   help="activation rows to print")
+    p.add_argument("--json", type=_output_file, default=None,
+                   help="also write the plan as JSON to this path (its folder must exist and be writable)")
     a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
                                      "HLO (exit 1 when a figure diverges)")
     for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--memory-budget", "--time-limit"):
@@ -224,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "(one -1 per kind is filled in from the device count)")
     new.add_argument("--hardware", default="h100-8", help="preset whose device and links to use")
     new.add_argument("--name", default="custom", help="name of the new mesh")
-    new.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
-    new.add_argument("--devices-per-node", type=int, default=None, help="default: the preset's")
+    new.add_argument("--nodes", type=_int_at_least(1, "--nodes 2"), default=None,
+                     help="number of nodes (default: the preset's)")
+    new.add_argument("--devices-per-node", type=_int_at_least(1, "--devices-per-node 8"), default=None,
+                     help="default: the preset's")
     new.add_argument("--out", required=True, help="path of the mesh file to write")
     cal = msub.add_parser("calibrate", help="measure jax.devices() (matmul, memory, all-reduce per mesh axis) "
                                             "and write a mesh file the planner uses")
@@ -234,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--axes", default=None, help="mesh axes to measure, e.g. data=2,model=4 (default: the base's)")
     cal.add_argument("--name", default=None, help="name of the calibrated mesh")
     cal.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, noisier)")
-    cal.add_argument("--cpu-devices", type=int, default=8, help="fake CPU devices when XLA_FLAGS sets none")
+    cal.add_argument("--cpu-devices", type=_int_at_least(1, "--cpu-devices 8"), default=8,
+                     help="fake CPU devices when XLA_FLAGS sets none")
     args, extra = parser.parse_known_args(argv)
     if extra and not (args.cmd == "mesh" and args.mesh_cmd == "new"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -294,15 +295,25 @@ def storage_dtype(dtype) -> tuple[np.dtype, bool]:
     return np.dtype(dtype), False
 
 
+# Library frames skipped when naming where an op comes from: the user's line is the useful one.
+_LIBRARY_DIRS = tuple(f"{os.sep}{d}{os.sep}" for d in ("flax", "optax", "jax", "jaxlib"))
+
+
 def source_of(eqn) -> str:
+    """``file:line (function)`` of the innermost frame of the user's code that made ``eqn``
+    (outside jax, flax and optax), or of the innermost frame when all are library frames."""
     try:
         from jax._src import source_info_util
+        for frame in source_info_util.user_frames(eqn.source_info.traceback):
+            if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # the summary is a nicety; an internal API change must not break planning
         return "<unknown source>"
 
 
 def _name_of(eqn) -> str:
+    """The Flax module path (JAX's name stack) and the primitive."""
     stack = str(getattr(eqn.source_info, "name_stack", "") or "")
     return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
 

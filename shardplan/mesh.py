@@ -137,125 +137,219 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
 _DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead"}
-_OPTIONAL_DEVICE_KEYS = {"heap_overhead"}
+_REQUIRED_DEVICE_KEYS = ("name", "peak_flops", "hbm_bytes", "hbm_bandwidth")
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
+_REQUIRED_TOPOLOGY_KEYS = ("devices_per_node", "nodes", "intra_node_link", "inter_node_link")
 _AXIS_KEYS = {"name", "size", "bandwidth", "latency"}   # bandwidth/latency: measured, override the link
+_MAX_FILE_BYTES = 16 * 2**20     # a mesh file is a few KiB
 
 
-def _positive(value: Any, key: str, source: str, kind=float) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise MeshConfigError(f"must be a positive number, got {value!r}", source=source, key=key)
-    if kind is int and (not float(value).is_integer()):
-        raise MeshConfigError(f"must be a positive integer, got {value!r}", source=source, key=key)
+class _Problems:
+    """Every problem of one mesh file, in the order its keys are checked, raised as one MeshConfigError.
+
+    The error's ``problems`` lists one line per problem (``shardplan mesh validate`` prints them);
+    its message is the first, with a count of the others, so that it stays one line.
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+        self.found: list[tuple[str | None, str]] = []     # (key, message)
+
+    def add(self, key: str | None, message: str) -> None:
+        self.found.append((key or None, message))
+
+    def raise_any(self) -> None:
+        if not self.found:
+            return
+        key, message = self.found[0]
+        more = len(self.found) - 1
+        if more:
+            message += f" (and {more} more problem{'s' if more > 1 else ''}"
+            message += "; `shardplan mesh validate` lists every one)" if os.path.isfile(self.source) else ")"
+        error = MeshConfigError(message, source=self.source, key=key)
+        error.problems = [str(MeshConfigError(m, source=self.source, key=k)) for k, m in self.found]
+        raise error
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _positive(value: Any, key: str, problems: _Problems, kind=float) -> Any:
+    if not _is_number(value) or value <= 0:
+        problems.add(key, f"must be a positive number, got {value!r}")
+        return None
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        problems.add(key, f"must be a positive integer, got {value!r}")
+        return None
     return kind(value)
 
 
-def _fraction(value: Any, key: str, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise MeshConfigError(f"must be a fraction from 0 to 1 (0.10 adds 10% to the temporaries), got {value!r}",
-                              source=source, key=key)
+def _non_negative(value: Any, key: str, problems: _Problems) -> float | None:
+    if not _is_number(value) or value < 0:
+        problems.add(key, f"must be a non-negative number, got {value!r}")
+        return None
     return float(value)
 
 
-def _check_keys(table: Any, allowed: set[str], key: str, source: str) -> None:
-    if not isinstance(table, dict):
-        raise MeshConfigError(f"must be a table, got {type(table).__name__}", source=source, key=key)
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise MeshConfigError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}",
-                              source=source, key=key or "top level")
+def _fraction(value: Any, key: str, problems: _Problems) -> float | None:
+    if not _is_number(value) or not 0 <= value <= 1:
+        problems.add(key, f"must be a fraction from 0 to 1 (0.10 adds 10% to the temporaries), got {value!r}")
+        return None
+    return float(value)
+
+
+def _table(table: Any, allowed: set[str], key: str, problems: _Problems) -> bool:
+    """Whether ``table`` is a table; each key of it outside ``allowed`` is a problem."""
+    if not isinstance(table, Mapping):
+        problems.add(key, f"must be a table, got {type(table).__name__}")
+        return False
+    for k in sorted((k for k in table if k not in allowed), key=str):
+        problems.add(key or "top level", f"unknown key {k!r}; allowed: {', '.join(sorted(allowed))}")
+    return True
+
+
+def _missing(table: Mapping, keys: tuple[str, ...], prefix: str, problems: _Problems) -> bool:
+    """Whether a key of ``keys`` is missing from ``table``; each missing one is a problem."""
+    absent = [k for k in keys if k not in table]
+    for k in absent:
+        problems.add(prefix + k, "missing key")
+    return bool(absent)
+
+
+def _device(dev: Any, problems: _Problems) -> Device | None:
+    if not _table(dev, _DEVICE_KEYS, "device", problems):
+        return None
+    incomplete = _missing(dev, _REQUIRED_DEVICE_KEYS, "device.", problems)
+    peak = None
+    if "peak_flops" in dev:
+        flops = dev["peak_flops"]
+        if not isinstance(flops, Mapping) or "float32" not in flops:
+            problems.add("device.peak_flops", "must be a table of FLOP/s per dtype with at least 'float32'")
+        if isinstance(flops, Mapping):
+            peak = {k: _positive(v, f"device.peak_flops.{k}", problems) for k, v in flops.items()}
+            if "float32" not in peak or None in peak.values():
+                peak = None
+    hbm_bytes = _positive(dev["hbm_bytes"], "device.hbm_bytes", problems, int) if "hbm_bytes" in dev else None
+    hbm_bandwidth = _positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", problems) \
+        if "hbm_bandwidth" in dev else None
+    heap = _fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", problems)
+    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap):
+        return None
+    return Device(name=str(dev["name"]), peak_flops=peak, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bandwidth,
+                  heap_overhead=heap)
+
+
+def _links(raw: Any, problems: _Problems) -> tuple[dict[str, Link], list | None]:
+    """The valid links, and the names ``[links]`` defines (None when it is no table of links)."""
+    if not isinstance(raw, Mapping) or not raw:
+        problems.add("links", "must define at least one link")
+        return {}, None
+    links = {}
+    for lname, ldata in raw.items():
+        if not _table(ldata, _LINK_KEYS, f"links.{lname}", problems):
+            continue
+        incomplete = _missing(ldata, ("bandwidth", "latency"), f"links.{lname}.", problems)
+        bandwidth = _positive(ldata["bandwidth"], f"links.{lname}.bandwidth", problems) \
+            if "bandwidth" in ldata else None
+        latency = _non_negative(ldata["latency"], f"links.{lname}.latency", problems) if "latency" in ldata else None
+        if not incomplete and bandwidth is not None and latency is not None:
+            links[lname] = Link(lname, bandwidth, latency)
+    return links, list(raw)
+
+
+def _topology(topo: Any, links: dict[str, Link], defined: list | None, problems: _Problems):
+    """``(devices_per_node, nodes, {"intra_node_link": Link, ...})``, None for each part that is wrong."""
+    if not _table(topo, _TOPOLOGY_KEYS, "topology", problems):
+        return None, None, None
+    incomplete = _missing(topo, _REQUIRED_TOPOLOGY_KEYS, "topology.", problems)
+    per_node = _positive(topo["devices_per_node"], "topology.devices_per_node", problems, int) \
+        if "devices_per_node" in topo else None
+    nodes = _positive(topo["nodes"], "topology.nodes", problems, int) if "nodes" in topo else None
+    link_of = {}
+    for k in ("intra_node_link", "inter_node_link"):
+        if k not in topo:
+            continue
+        name = topo[k]
+        if not isinstance(name, str) or (defined is not None and name not in defined):
+            problems.add(f"topology.{k}", f"names link {name!r}, which is not under [links]; "
+                                          f"defined: {', '.join(map(str, defined or ()))}")
+        elif name in links:
+            link_of[k] = links[name]
+    return per_node, nodes, (None if incomplete or len(link_of) < 2 else link_of)
+
+
+def _axes(raw_axes: Any, problems: _Problems):
+    """``(names, sizes, measured links)`` of the axes: a name None where it is wrong, sizes None when one is."""
+    if not isinstance(raw_axes, list) or not raw_axes:
+        problems.add("axes", "must be a non-empty list of {name, size}")
+        return [], None, {}
+    names, sizes, measured = [], [], {}
+    for i, a in enumerate(raw_axes):
+        if not _table(a, _AXIS_KEYS, f"axes[{i}]", problems):
+            names.append(None)
+            sizes.append(None)
+            continue
+        if "name" not in a or "size" not in a:
+            problems.add(f"axes[{i}]", "needs both 'name' and 'size'")
+        name = a.get("name")
+        if "name" not in a:
+            pass         # said above
+        elif not isinstance(name, str) or not name.isidentifier():
+            problems.add(f"axes[{i}].name", f"axis name must be an identifier, got {name!r}")
+            name = None
+        elif name in names:
+            problems.add(f"axes[{i}].name", f"axis {name!r} is named twice")
+            name = None
+        names.append(name)
+        sizes.append(_positive(a["size"], f"axes[{i}].size", problems, int) if "size" in a else None)
+        if ("bandwidth" in a) != ("latency" in a):
+            problems.add(f"axes[{i}]", "a measured axis needs both 'bandwidth' and 'latency'")
+        elif "bandwidth" in a:
+            bandwidth = _positive(a["bandwidth"], f"axes[{i}].bandwidth", problems)
+            latency = _non_negative(a["latency"], f"axes[{i}].latency", problems)
+            if name is not None and bandwidth is not None and latency is not None:
+                measured[name] = Link(f"measured-{name}", bandwidth, latency)
+    return names, (None if None in sizes else sizes), measured
 
 
 def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
                    axes: Mapping[str, int] | None = None) -> MeshSpec:
-    """Validate a parsed mesh file and build the :class:`MeshSpec`; ``axes`` overrides its logical axes."""
-    _check_keys(data, _TOP_KEYS, "", source)
+    """Validate a parsed mesh file and build the :class:`MeshSpec`; ``axes`` overrides its logical axes.
+
+    Every problem of the file is found: the :class:`MeshConfigError` raised says the first and how
+    many more there are, and its ``problems`` lists each on its own line.
+    """
+    problems = _Problems(source)
+    if not _table(data, _TOP_KEYS, "", problems):
+        problems.raise_any()
     for required in ("name", "device", "links", "topology", "axes"):
         if required not in data:
-            raise MeshConfigError(f"missing section or key {required!r}", source=source, key=required)
-    dev = data["device"]
-    _check_keys(dev, _DEVICE_KEYS, "device", source)
-    for k in _DEVICE_KEYS - _OPTIONAL_DEVICE_KEYS:
-        if k not in dev:
-            raise MeshConfigError("missing key", source=source, key=f"device.{k}")
-    flops = dev["peak_flops"]
-    if not isinstance(flops, dict) or "float32" not in flops:
-        raise MeshConfigError("must be a table of FLOP/s per dtype with at least 'float32'",
-                              source=source, key="device.peak_flops")
-    device = Device(
-        name=str(dev["name"]),
-        peak_flops={k: _positive(v, f"device.peak_flops.{k}", source) for k, v in flops.items()},
-        hbm_bytes=_positive(dev["hbm_bytes"], "device.hbm_bytes", source, int),
-        hbm_bandwidth=_positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", source),
-        heap_overhead=_fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", source))
-
-    links_raw = data["links"]
-    if not isinstance(links_raw, dict) or not links_raw:
-        raise MeshConfigError("must define at least one link", source=source, key="links")
-    links = {}
-    for lname, ldata in links_raw.items():
-        _check_keys(ldata, _LINK_KEYS, f"links.{lname}", source)
-        for k in _LINK_KEYS:
-            if k not in ldata:
-                raise MeshConfigError("missing key", source=source, key=f"links.{lname}.{k}")
-        latency = ldata["latency"]
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
-            raise MeshConfigError(f"must be a non-negative number, got {latency!r}",
-                                  source=source, key=f"links.{lname}.latency")
-        links[lname] = Link(lname, _positive(ldata["bandwidth"], f"links.{lname}.bandwidth", source),
-                            float(latency))
-
-    topo = data["topology"]
-    _check_keys(topo, _TOPOLOGY_KEYS, "topology", source)
-    for k in _TOPOLOGY_KEYS:
-        if k not in topo:
-            raise MeshConfigError("missing key", source=source, key=f"topology.{k}")
-    per_node = _positive(topo["devices_per_node"], "topology.devices_per_node", source, int)
-    nodes = _positive(topo["nodes"], "topology.nodes", source, int)
-    link_of = {}
-    for k in ("intra_node_link", "inter_node_link"):
-        if not isinstance(topo[k], str) or topo[k] not in links:
-            raise MeshConfigError(f"names link {topo[k]!r}, which is not under [links]; "
-                                  f"defined: {', '.join(links)}", source=source, key=f"topology.{k}")
-        link_of[k] = links[topo[k]]
-
-    raw_axes = data["axes"]
-    if axes is not None:
-        raw_axes = [{"name": k, "size": v} for k, v in axes.items()]
-    if not isinstance(raw_axes, list) or not raw_axes:
-        raise MeshConfigError("must be a non-empty list of {name, size}", source=source, key="axes")
-    names, sizes, measured = [], [], {}
-    for i, a in enumerate(raw_axes):
-        _check_keys(a, _AXIS_KEYS, f"axes[{i}]", source)
-        if "name" not in a or "size" not in a:
-            raise MeshConfigError("needs both 'name' and 'size'", source=source, key=f"axes[{i}]")
-        if not isinstance(a["name"], str) or not a["name"].isidentifier():
-            raise MeshConfigError(f"axis name must be an identifier, got {a['name']!r}",
-                                  source=source, key=f"axes[{i}].name")
-        if a["name"] in names:
-            raise MeshConfigError(f"axis {a['name']!r} is named twice", source=source, key=f"axes[{i}].name")
-        names.append(a["name"])
-        sizes.append(_positive(a["size"], f"axes[{i}].size", source, int))
-        if ("bandwidth" in a) != ("latency" in a):
-            raise MeshConfigError("a measured axis needs both 'bandwidth' and 'latency'", source=source, key=f"axes[{i}]")
-        if "bandwidth" in a:
-            lat = a["latency"]
-            if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
-                raise MeshConfigError(f"must be a non-negative number, got {lat!r}", source=source,
-                                      key=f"axes[{i}].latency")
-            measured[a["name"]] = Link(f"measured-{a['name']}",
-                                       _positive(a["bandwidth"], f"axes[{i}].bandwidth", source), float(lat))
-    total = per_node * nodes
-    if math.prod(sizes) != total:
-        raise MeshConfigError(
-            f"axis sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)}, but the topology has "
-            f"{nodes} node(s) x {per_node} devices = {total}; make the sizes multiply to {total}",
-            source=source, key="axes")
-    flat = tuple(Axis(f"_d{i}", n, link_of["intra_node_link"]) for i, n in enumerate((nodes, per_node)))
+            problems.add(required, f"missing section or key {required!r}")
+    device = _device(data["device"], problems) if "device" in data else None
+    links, defined = _links(data["links"], problems) if "links" in data else ({}, None)
+    per_node, nodes, link_of = _topology(data["topology"], links, defined, problems) \
+        if "topology" in data else (None, None, None)
+    names, sizes, measured = [], None, {}
+    if "axes" in data:
+        raw_axes = data["axes"] if axes is None else [{"name": k, "size": v} for k, v in axes.items()]
+        names, sizes, measured = _axes(raw_axes, problems)
+    if sizes is not None and per_node is not None and nodes is not None:
+        total = per_node * nodes
+        if math.prod(sizes) != total:
+            labels = [f"axes[{i}]" if n is None else n for i, n in enumerate(names)]
+            shown = "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(labels, sizes)) + "}"
+            problems.add("axes", f"axis sizes {shown} multiply to {math.prod(sizes)}, but the topology has "
+                                 f"{nodes} node(s) x {per_node} devices = {total}; make the sizes multiply to {total}")
     calibration = data.get("calibration", {})
-    if not isinstance(calibration, dict):
-        raise MeshConfigError("must be a table", source=source, key="calibration")
+    if not isinstance(calibration, Mapping):
+        problems.add("calibration", "must be a table")
+    problems.raise_any()
+
+    flat = tuple(Axis(f"_d{i}", n, link_of["intra_node_link"]) for i, n in enumerate((nodes, per_node)))
     base = MeshSpec(name=str(data["name"]), device=device, axes=flat, devices_per_node=per_node,
                     intra_node_link=link_of["intra_node_link"], inter_node_link=link_of["inter_node_link"],
                     source=str(data.get("source", "")), calibration=dict(calibration))
@@ -276,6 +370,29 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".toml"))
 
 
+def _read_toml(path: str) -> dict[str, Any]:
+    """The parsed mesh file at ``path``; one MeshConfigError line naming the file when it cannot be read as TOML."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise MeshConfigError(f"cannot be read: {e.strerror or e}", source=path) from None
+    if len(raw) > _MAX_FILE_BYTES:
+        raise MeshConfigError(f"is larger than {_MAX_FILE_BYTES // 2**20} MiB; a mesh file is a small TOML file "
+                              "(meshes/README.md)", source=path)
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise MeshConfigError(f"is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}: {e.reason}); a mesh file "
+                              "is TOML (meshes/README.md)", source=path) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise MeshConfigError(f"is not valid TOML: {' '.join(str(e).split())}", source=path) from None
+    except RecursionError:
+        raise MeshConfigError("is not valid TOML: its arrays or tables nest too deeply", source=path) from None
+
+
 def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int] | None = None) -> MeshSpec:
     """Load a preset by name or a mesh file by path; ``axes`` overrides its logical mesh axes.
 
@@ -288,14 +405,7 @@ def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int
         raise MeshConfigError("pass a preset name or a path to override axes, not a MeshSpec")
     text_source = str(name_or_path)
     if os.path.exists(text_source):
-        try:
-            with open(text_source, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise MeshConfigError(f"is not valid TOML: {e}", source=text_source) from None
-        except OSError as e:
-            raise MeshConfigError(f"cannot be read: {e.strerror}", source=text_source) from None
-        return mesh_from_dict(data, source=text_source, axes=axes)
+        return mesh_from_dict(_read_toml(text_source), source=text_source, axes=axes)
     names = preset_names()
     if text_source not in names:
         raise MeshConfigError(f"is neither a mesh file nor a preset; presets: {', '.join(names)}",

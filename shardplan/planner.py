@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+import warnings
 from collections.abc import Sequence
 
 
@@ -13,6 +15,7 @@ from shardplan.exact import solve_exact
 from shardplan.graph import Graph, build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
+from shardplan.progress import Status
 from shardplan.rules import apply_rule
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.sizes import format_bytes
@@ -23,10 +26,16 @@ from shardplan.tying import tie, untie
 
 @dataclasses.dataclass(frozen=True)
 class PlannerOptions:
-    time_limit: float = 30.0          # CP-SAT deterministic time per solve (~seconds of one core); wall cap 2x
+    time_limit: float = 30.0          # CP-SAT deterministic time per solve (~seconds of one core); wall cap 10x
     relative_gap: float = 0.005       # stop once within this fraction of the best bound
     num_points: int = 12              # memory checkpoints taken from the liveness schedule
     tie_layers: bool = True           # repeated layers share one choice (solved once)
+
+    def __post_init__(self):
+        t = self.time_limit
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"time_limit={t!r} is not a positive number; give CP-SAT deterministic seconds, "
+                             "e.g. time_limit=30")
 
 
 def role_of(path: str, arg: int | str) -> str:
@@ -46,17 +55,24 @@ def graph_fingerprint(g: Graph) -> str:
 def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[int], mesh: MeshSpec,
                budget_bytes: int, *, donated: Sequence[bool] = (), options: PlannerOptions = PlannerOptions(),
                in_tree=None, out_tree=None, fixed_inputs: Sequence[Spec | None] | None = None,
-               state_pairs: Sequence[tuple[int, int]] = (), out_names: Sequence[str] | None = None
-               ) -> tuple[Plan, Graph]:
+               state_pairs: Sequence[tuple[int, int]] = (), out_names: Sequence[str] | None = None,
+               cached: Plan | None = None) -> tuple[Plan, Graph]:
     """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (the argument of each in ``input_args``).
 
     ``fixed_inputs`` pins the spec of some inputs (``None``: free), e.g. to price a hand-written
     plan's parameter and batch shardings with the best activation shardings around them.
     ``state_pairs`` lists (flat input, flat output) pairs where the step returns a state leaf in
     place of an input: each pair gets one sharding, so the next call takes the output as it is.
-    ``out_names`` names the flat outputs (pytree paths of the result).
+    ``out_names`` names the flat outputs (pytree paths of the result). ``cached`` is a plan made
+    before for this very problem (:mod:`shardplan.cache`): it is used as it is if its tensors
+    are the graph's.
     """
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs)
+    if cached is not None:
+        if cached.fingerprint == graph_fingerprint(graph):
+            return dataclasses.replace(cached, in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh), graph
+        warnings.warn("shardplan: a cached plan does not match the traced step's tensors; planning again",
+                      stacklevel=3)
     donated_outputs = _donated_outputs(graph, donated)
     model = CostModel(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
@@ -74,20 +90,25 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
     # Memory plays no part there, so far more options are dead ends than under a budget.
     # Solved exactly by variable elimination where the problem is narrow enough (most steps).
+    line = Status()
+    line.say(f"solving: {len(reduced.problem.nodes)} decisions, {len(reduced.problem.edges)} pairs")
     free, keep = eliminate_dead_ends(reduced.problem, memory=False)
     sol = solve_exact(free) or solve(free, budget_bytes=None, time_limit=options.time_limit,
-                                     relative_gap=options.relative_gap)
+                                     relative_gap=options.relative_gap, status_line=line)
     choice = full_choice(sol, keep)
     if peak_memory(problem, choice) > budget_bytes:
         bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
+        line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
         sol = solve(bounded, budget_bytes=budget_bytes, time_limit=options.time_limit,
-                    relative_gap=options.relative_gap)
+                    relative_gap=options.relative_gap, status_line=line)
         if sol is None:
             sol = _memory_first(bounded, budget_bytes, options)
             if sol is None:
                 _raise_infeasible(graph, enum, reduced, budget_bytes, options)
         choice = full_choice(sol, keep)
     stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+    line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
+              f"{stats.wall_time:.1f} s")
     plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
     return plan, graph
 
@@ -141,6 +162,12 @@ def _raise_infeasible(graph, enum, reduced, budget_bytes, options):
         f"{how} {format_bytes(need)}. Largest inputs: {listing}. Raise the "
         f"budget, use more devices, or shrink the batch.",
         budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest)
+
+
+def _short(source: str) -> str:
+    """``dir/file.py:12 (fn)`` -> ``file.py:12``: enough to find the line, short enough for a table."""
+    where = source.split(" (")[0]
+    return where.rsplit("/", 1)[-1] if ":" in where else ""
 
 
 def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
@@ -216,7 +243,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                     TensorPlan(-1, out_names[i], "output", (), "float32", (), 0.0, 0.0)
                     for i, t in enumerate(graph.outputs))
     seen = set(graph.inputs) | {t for t in graph.outputs if t is not None}
-    acts = tuple(row(t.id, "activation") for t in graph.tensors if t.rank and t.id not in seen)
+    acts = tuple(row(t.id, "activation", f"{t.name} @ {_short(t.source)}" if _short(t.source) else t.name)
+                 for t in graph.tensors if t.rank and t.id not in seen)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis)

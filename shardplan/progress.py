@@ -1,7 +1,9 @@
-"""A dependency-free progress bar for long runs (calibration, benchmarks)."""
+"""Progress for long runs: a bar for counted work (calibration, benchmarks) and a status line
+(tracing, solving: the incumbent, bound and gap as they improve)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -26,3 +28,32 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def wanted(stream=None) -> bool:
+    """Whether to show progress: on a terminal, not under CI (``CI`` set), and only on process 0."""
+    stream = stream or sys.stderr
+    if os.environ.get("CI") or not getattr(stream, "isatty", lambda: False)():
+        return False
+    import jax
+    return jax.process_index() == 0
+
+
+class Status:
+    """One status line on stderr, rewritten in place as work proceeds; silent unless :func:`wanted`."""
+
+    def __init__(self, enabled: bool | None = None, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = wanted(self.stream) if enabled is None else enabled
+        self.start = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(f"\rshardplan {time.perf_counter() - self.start:6.1f}s {text}".ljust(100)[:160])
+            self.stream.flush()
+
+    def done(self, text: str) -> None:
+        if self.enabled:
+            self.say(text)
+            self.stream.write("\n")
+            self.stream.flush()

@@ -138,11 +138,13 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         edge(ins[0], out, required=_reshape_rule(shape_in, shape_out))
         return
 
-    if prim in ("slice", "pad", "dynamic_slice", "rev") or prim in _SCANS_ALONG_AXIS or prim == "sort":
+    if prim in ("slice", "pad", "dynamic_slice", "rev", "tile") or prim in _SCANS_ALONG_AXIS or prim == "sort":
         src = ins[0]
         shape_in = g.tensors[src].shape
         if prim == "rev":
             changed = set(p["dimensions"])
+        elif prim == "tile":
+            changed = {d for d, r in enumerate(p["reps"]) if r != 1}
         elif prim in _SCANS_ALONG_AXIS:
             changed = {p["axis"]}
         elif prim == "sort":

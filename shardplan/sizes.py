@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -9,30 +10,45 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A sign, nan and inf are matched too, so that "-4GiB", "nan" and "inf" get a message saying what is wrong.
+_PATTERN = re.compile(r"^\s*([+-]?(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf(?:inity)?))\s*([a-zA-Z]*)\s*$",
+                      re.IGNORECASE)
+_HINT = "give a positive size such as 60e9 or '60GiB'"
 
 
 def parse_bytes(value: int | float | str, *, what: str = "memory_budget") -> int:
-    """Return ``value`` in bytes.
+    """Return ``value`` in bytes: a positive, finite number or a string such as ``"60GiB"``.
+
+    ``what`` names the value in the ValueError a bad one raises (``memory_budget=nan is not a number
+    of bytes; ...``); ``what=""`` leaves the name out, for a caller that names it itself (the CLI's
+    ``argument --memory-budget: ...``).
 
     >>> parse_bytes("60GiB")
     64424509440
     >>> parse_bytes(1024)
     1024
     """
+    shown = f"{what}={value!r}" if what else repr(value)
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a byte count such as 80e9 or '60GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{what} must be positive, got {value!r}")
-        return int(value)
-    match = _PATTERN.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{what}={value!r} is not a byte size; write e.g. '60GiB', '80GB' or 8e10")
-    number = float(match.group(1)) * _UNITS[unit]
+        raise ValueError(f"{shown} is not a number of bytes; {_HINT}")
+    if isinstance(value, int):
+        number: float | int = value
+    elif isinstance(value, float):
+        number = value
+    else:
+        match = _PATTERN.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{shown} is not a byte size; {_HINT} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        number = float(match.group(1)) * _UNITS[unit]
+    if math.isnan(number):
+        raise ValueError(f"{shown} is not a number of bytes; {_HINT}")
+    if math.isinf(number):
+        raise ValueError(f"{shown} is not a finite number of bytes; {_HINT}")
     if number <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
+        raise ValueError(f"{shown} is not a positive number of bytes; {_HINT}")
+    if number < 1:
+        raise ValueError(f"{shown} is less than one byte; {_HINT}")
     return int(number)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -44,7 +45,7 @@ def _int(values: np.ndarray, unit: float) -> list[int]:
 
 def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 30.0,
           minimize_memory: bool = False, workers: int = 2,
-          relative_gap: float = 0.0, hint: list[int] | None = None) -> Solution | None:
+          relative_gap: float = 0.0, hint: list[int] | None = None, status_line=None) -> Solution | None:
     """Solve; ``None`` when no assignment fits ``budget_bytes``.
 
     With ``minimize_memory`` the objective is the peak memory instead (used to report the
@@ -144,7 +145,12 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     solver.parameters.interleave_search = True   # deterministic with several workers
     solver.parameters.random_seed = 0
     solver.parameters.relative_gap_limit = relative_gap
-    status = solver.Solve(model)
+    callback = _Reporter(status_line, offset, minimize_memory, mem_unit) if status_line is not None \
+        and status_line.enabled else None
+    # CP-SAT's own SIGINT handler would end the search quietly and hand back a half-searched plan
+    # as if it were the answer: Ctrl-C must stop planning instead (KeyboardInterrupt).
+    solver.parameters.catch_sigint_signal = False
+    status = _solve_interruptibly(solver, model, callback)
     if status == cp_model.MODEL_INVALID:   # a bug of ours, never the user's input: say so loudly
         raise RuntimeError(f"shardplan built an invalid CP-SAT model: {model.Validate()}")
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -167,6 +173,57 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
         wall_time=time.perf_counter() - start,
         num_variables=len(proto.variables), num_constraints=len(proto.constraints))
     return Solution(choice, stats, peak_memory(problem, choice))
+
+
+def _solve_interruptibly(solver, model, callback):
+    """Solve on a worker thread, so that Ctrl-C raises KeyboardInterrupt here at once and stops the search.
+
+    (Wait on an Event, not ``Thread.join(timeout)``: a KeyboardInterrupt inside ``join`` marks the
+    thread finished on Python 3.11 and the process aborts at exit.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return solver.Solve(model, callback)
+    result, done = {}, threading.Event()
+
+    def run():
+        try:
+            result["status"] = solver.Solve(model, callback)
+        except BaseException as e:      # handed to the caller's thread below
+            result["error"] = e
+        finally:
+            done.set()
+    worker = threading.Thread(target=run, name="cp-sat", daemon=True)
+    worker.start()
+    try:
+        while not done.wait(0.1):
+            pass
+    except BaseException:
+        solver.StopSearch()
+        done.wait()
+        raise
+    finally:
+        if done.is_set():
+            worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["status"]
+
+
+class _Reporter(cp_model.CpSolverSolutionCallback):
+    """Shows each better plan CP-SAT finds: its objective, the bound and the gap."""
+
+    def __init__(self, status_line, offset: float, minimize_memory: bool, mem_unit: float):
+        super().__init__()
+        self.line, self.offset, self.memory, self.unit = status_line, offset, minimize_memory, mem_unit
+
+    def on_solution_callback(self) -> None:
+        if self.memory:
+            self.line.say(f"solving for the least memory: {self.ObjectiveValue() * self.unit / 2**30:.2f} GiB")
+            return
+        obj = self.offset + self.ObjectiveValue() * TIME_UNIT
+        bound = self.offset + self.BestObjectiveBound() * TIME_UNIT
+        gap = (obj - bound) / obj if obj > 0 else 0.0
+        self.line.say(f"solving: best plan {obj * 1e3:.3f} ms, bound {bound * 1e3:.3f} ms, gap {gap:.1%}")
 
 
 def peak_memory(problem: Problem, choice: list[int]) -> float:

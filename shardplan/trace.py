@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from shardplan.errors import PlanMismatchError
+from shardplan.progress import Status
 
 ArgId = int | str          # a positional argument's index or a keyword argument's name
 
@@ -170,7 +171,10 @@ def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: C
         names.append(_leaf_name(path[1:]))
         arg_of.append(arg)
     abstract = [abstract_leaf(x) for _, x in with_path]
+    line = Status()
+    line.say(f"tracing {getattr(fn, '__name__', 'the step')} ({len(abstract)} input arrays)")
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+    line.say(f"traced: {len(closed.jaxpr.eqns)} equations at the top level")
     out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     donated = tuple(call.donated(a, len(args)) for a in arg_of)
     pairs = _state_pairs(dyn_args, dyn_kwargs, pos_ids, abstract, out_shape, donated, arg_of)

@@ -1,10 +1,15 @@
-"""The command line: mesh list/show/validate/new, a corpus of bad mesh files, and a loader fuzz."""
+"""The command line: mesh list/show/validate/new, a corpus of bad mesh files, a loader fuzz, bad flag
+values, --json and Ctrl-C (one line on stderr, the exit code, nothing left on disk)."""
 
+import concurrent.futures
 import copy
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -14,20 +19,31 @@ from shardplan.errors import MeshConfigError
 from shardplan.mesh import load_mesh, mesh_from_dict, to_toml
 
 GOOD = to_toml(load_mesh("h100-8"))
+ENV = {**os.environ, "CI": "true"}
+CLI = [sys.executable, "-m", "shardplan.cli"]
 
+# name: (text, a pattern for each line mesh validate prints, in order)
 BAD_FILES = {
     "unknown_key.toml": (GOOD.replace('name = "h100-8"', 'name = "h100-8"\ncolour = "red"'), r"unknown key 'colour'"),
     "product.toml": (GOOD.replace("size = 4", "size = 3"), r"multiply to 6"),
     "bandwidth.toml": (GOOD.replace("bandwidth = 450000000000.0", "bandwidth = -1.0"),
                        r"\[links.nvlink.bandwidth\] must be a positive number"),
     "twice.toml": (GOOD.replace('name = "model"', 'name = "data"'), r"named twice"),
-    "no_device.toml": (GOOD.replace("[device]", "[devicex]"), r"unknown key 'devicex'"),
+    "no_device.toml": (GOOD.replace("[device]", "[devicex]"), r"unknown key 'devicex'",
+                       r"\[device\] missing section or key 'device'"),
     "syntax.toml": (GOOD.replace("[topology]", "[topology"), r"is not valid TOML"),
     "link_name.toml": (GOOD.replace('inter_node_link = "infiniband"', 'inter_node_link = "ib"'), r"names link 'ib'"),
     "zero_nodes.toml": (GOOD.replace("nodes = 1", "nodes = 0"), r"\[topology.nodes\] must be a positive"),
     "axis_name.toml": (GOOD.replace('name = "model"', 'name = "mo del"'), r"must be an identifier"),
     "hbm_string.toml": (GOOD.replace("hbm_bytes = 85899345920", 'hbm_bytes = "80GiB"'), r"\[device.hbm_bytes\]"),
     "heap_overhead.toml": (GOOD.replace("heap_overhead = 0.1", "heap_overhead = 1.5"), r"\[device.heap_overhead\] must be a fraction"),
+    "nan.toml": (GOOD.replace("hbm_bandwidth = 3350000000000.0", "hbm_bandwidth = nan"),
+                 r"\[device.hbm_bandwidth\] must be a positive number, got nan"),
+    "three.toml": (GOOD.replace("hbm_bytes = 85899345920", "hbm_bytes = 0").replace("nodes = 1", "nodes = -1")
+                   .replace('name = "model"', 'name = "mo del"'),
+                   r"\[device.hbm_bytes\] must be a positive", r"\[topology.nodes\] must be a positive",
+                   r"\[axes\[1\].name\] axis name must be an identifier"),
+    "empty.toml": ("", *(rf"\[{k}\] missing section or key '{k}'" for k in ("name", "device", "links", "topology", "axes"))),
 }
 
 
@@ -38,17 +54,61 @@ def test_good_file_validates(tmp_path, capsys):
     assert "valid" in capsys.readouterr().out
 
 
+def test_corpus_starts_from_a_good_file():
+    for name, (text, *_) in BAD_FILES.items():
+        assert text != GOOD, f"{name}: the replacement did not match"
+
+
 @pytest.mark.parametrize("name", sorted(BAD_FILES))
-def test_bad_files_get_one_line_and_exit_2(name, tmp_path, capsys):
-    text, match = BAD_FILES[name]
+def test_bad_files_get_one_line_per_problem_and_exit_2(name, tmp_path, capsys):
+    text, *matches = BAD_FILES[name]
     path = tmp_path / name
     path.write_text(text)
     assert main(["mesh", "validate", str(path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert name in err
-    import re
-    assert re.search(match, err), err
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == len(matches) and "Traceback" not in "".join(lines), lines
+    for line, match in zip(lines, matches):
+        assert line.startswith(f"shardplan: error: {path}: ") and re.search(match, line), (line, match)
+    # Elsewhere (plan --mesh FILE) the same file is one line: the first problem and how many more there are.
+    with pytest.raises(MeshConfigError) as e:
+        load_mesh(str(path))
+    assert len(str(e.value).splitlines()) == 1 and re.search(matches[0], str(e.value))
+    assert (f"and {len(matches) - 1} more problem" in str(e.value)) == (len(matches) > 1)
+
+
+UNDECODABLE = {
+    "latin1.toml": (GOOD.replace("H100", "H100 \u00e9").encode("latin-1"), r"is not UTF-8 text \(byte \d+ is 0xe9"),
+    "binary.toml": (bytes(range(256)) * 4, r"is not UTF-8 text \(byte 128 is 0x80"),
+    "nul.toml": (b"\x00\x01\x02 name", r"is not valid TOML: "),
+    "json.toml": (json.dumps({"name": "x", "device": {}}).encode(), r"is not valid TOML: "),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNDECODABLE))
+def test_undecodable_files_get_one_line_naming_the_file(name, tmp_path, capsys):
+    raw, match = UNDECODABLE[name]
+    path = tmp_path / name
+    path.write_bytes(raw)
+    assert main(["mesh", "validate", str(path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"shardplan: error: {path}: ") and re.search(match, line), line
+
+
+def test_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert load_mesh(str(path)).name == "h100-8"
+
+
+def test_mesh_validate_prints_every_problem_in_a_process(tmp_path):
+    text, *matches = BAD_FILES["three.toml"]
+    (tmp_path / "three.toml").write_text(text)
+    r = subprocess.run([*CLI, "mesh", "validate", "three.toml"], cwd=tmp_path, capture_output=True, text=True, env=ENV,
+                       stdin=subprocess.DEVNULL)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 3 and "Traceback" not in r.stderr, r.stderr
+    assert all(line.startswith("shardplan: error: three.toml: [") and re.search(m, line) for line, m in zip(lines, matches))
+    assert os.listdir(tmp_path) == ["three.toml"]
 
 
 def test_missing_file_is_named():
@@ -121,8 +181,9 @@ def test_fuzzed_mesh_files_raise_only_config_errors():
             _mutations(rng, data)
         try:
             mesh_from_dict(data, source="fuzz")
-        except MeshConfigError:
-            pass
+        except MeshConfigError as e:
+            assert e.problems and all(len(p.splitlines()) == 1 and p.startswith("fuzz: ") for p in e.problems)
+            assert len(str(e).splitlines()) == 1 and str(e).startswith(e.problems[0])
 
 
 def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
@@ -181,3 +242,205 @@ def test_plan_command_with_remat_plans_less_memory(capsys):
     with pytest.raises(SystemExit) as bad:
         main(["plan", "--model", "gpt-tiny", "--remat", "some"])
     assert bad.value.code == 2 and "invalid choice: 'some'" in capsys.readouterr().err
+
+
+# --- bad flag values, --json and Ctrl-C, through the real command line -------------------------------
+
+PLAN = ["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--time-limit", "1"]
+AUDIT = ["audit", "--model", "gpt-tiny", "--mesh", "cpu-8", "--axes", "data=2,model=4", "--time-limit", "1"]
+
+# name: (arguments, files to make first, what the one line must say)
+BAD_FLAGS = {
+    "plan-time-limit-negative": ([*PLAN, "--time-limit", "-1"], (), r"argument --time-limit: '-1' is not a positive number"),
+    "plan-time-limit-zero": ([*PLAN, "--time-limit", "0"], (), r"argument --time-limit: '0' is not a positive"),
+    "plan-time-limit-nan": ([*PLAN, "--time-limit", "nan"], (), r"argument --time-limit: 'nan' is not a positive"),
+    "audit-time-limit-negative": ([*AUDIT, "--time-limit", "-1"], (), r"argument --time-limit: '-1'.*e\.g\. --time-limit 30"),
+    "plan-batch-negative": ([*PLAN, "--batch", "-4"], (), r"argument --batch: '-4' is not a positive integer; give e\.g\. --batch 16"),
+    "plan-batch-zero": ([*PLAN, "--batch", "0"], (), r"argument --batch: '0' is not a positive integer"),
+    "audit-batch-zero": ([*AUDIT, "--batch", "0"], (), r"argument --batch: '0' is not a positive integer"),
+    "plan-budget-nan": ([*PLAN, "--memory-budget", "nan"], (), r"argument --memory-budget: 'nan' is not a number of bytes; "
+                                                                r"give a positive size such as 60e9"),
+    "plan-budget-inf": ([*PLAN, "--memory-budget", "inf"], (), r"argument --memory-budget: 'inf' is not a finite number"),
+    "plan-budget-negative": ([*PLAN, "--memory-budget=-4GiB"], (), r"argument --memory-budget: '-4GiB' is not a positive"),
+    "plan-budget-zero": ([*PLAN, "--memory-budget", "0"], (), r"argument --memory-budget: '0' is not a positive"),
+    "audit-budget-nan": ([*AUDIT, "--memory-budget", "nan"], (), r"argument --memory-budget: 'nan' is not a number"),
+    "json-no-folder": ([*PLAN, "--json", "missing/out.json"], (), r"argument --json: the folder of missing/out\.json, "
+                                                                    r"\S+missing, does not exist; create it"),
+    "json-folder-is-a-file": ([*PLAN, "--json", "afile/out.json"], ("afile",), r"argument --json: .*afile, is not a folder"),
+    "json-is-a-folder": ([*PLAN, "--json", "."], (), r"argument --json: \. is a folder; give a file path"),
+}
+if os.geteuid() != 0:          # root writes anywhere
+    BAD_FLAGS["json-not-writable"] = ([*PLAN, "--json", "ro/out.json"], ("ro/",), r"argument --json: .*ro, is not writable")
+
+
+def _make(cwd, files):
+    for f in files:
+        if f.endswith("/"):
+            (cwd / f).mkdir()
+            (cwd / f).chmod(0o555)
+        else:
+            (cwd / f).write_text("x")
+
+
+def _listing(cwd):
+    return sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FLAGS))
+def test_bad_flag_values_get_one_line_and_exit_2_before_planning(name, tmp_path, monkeypatch, capsys):
+    args, files, match = BAD_FLAGS[name]
+    _make(tmp_path, files)
+    before = _listing(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(match, lines[0]), lines[0]
+    assert _listing(tmp_path) == before and out == ""        # nothing planned, nothing written
+
+
+# The same through a process of its own, for one value of each kind (each run is mostly Python importing jax).
+@pytest.fixture(scope="module")
+def bad_flag_processes(tmp_path_factory):
+    def run(name):
+        args, files, _ = BAD_FLAGS[name]
+        cwd = tmp_path_factory.mktemp(name)
+        _make(cwd, files)
+        before = _listing(cwd)
+        r = subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, env=ENV, stdin=subprocess.DEVNULL,
+                           timeout=600)
+        return r, before, _listing(cwd)
+    names = ["plan-time-limit-negative", "plan-batch-negative", "audit-budget-nan", "json-no-folder"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(names, pool.map(run, names)))
+
+
+@pytest.mark.parametrize("name", ["plan-time-limit-negative", "plan-batch-negative", "audit-budget-nan", "json-no-folder"])
+def test_bad_flag_values_in_a_process(name, bad_flag_processes):
+    r, before, after = bad_flag_processes[name]
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(BAD_FLAGS[name][2], lines[0]), lines[0]
+    assert after == before and r.stdout == ""
+
+
+def test_json_write_failure_leaves_no_file(tmp_path, capsys, monkeypatch):
+    from shardplan import cli
+    from shardplan.plan import Plan
+    path = tmp_path / "plan.json"
+    assert main([*PLAN, "--json", str(path)]) == 0
+    assert Plan.from_json(path.read_text()).mesh_name == "cpu-8" and os.listdir(tmp_path) == ["plan.json"]
+    capsys.readouterr()
+    # A failure after planning (disk full, the folder gone): one line, exit 2, the old plan kept, no .tmp.
+    old = path.read_text()
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli.os, "replace", full)
+    assert main([*PLAN, "--json", str(path)]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert errors == ["shardplan: error: [Errno 28] No space left on device"]
+    assert os.listdir(tmp_path) == ["plan.json"] and path.read_text() == old
+
+
+def test_write_atomically_cleans_up_on_ctrl_c(tmp_path, monkeypatch):
+    from shardplan import cli
+    path = str(tmp_path / "plan.json")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli._write_atomically(path, "{}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_interruptible_reraises_a_swallowed_ctrl_c_and_restores_sigint():
+    from shardplan.cli import _interruptible
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with _interruptible():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)    # as a CP-SAT solve leaves it
+            with _interruptible():
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass                                    # swallowed on the way
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def _interrupt(argv, marker, cwd, delay=0.0, within=60):
+    """Start ``argv``, wait for ``marker`` on its stderr, then send SIGINT.
+
+    ``(exit code, stderr lines)``; exit code None when ``argv`` ended without printing ``marker``;
+    a process not ended ``within`` seconds of the SIGINT is killed and fails the test.
+    """
+    p = subprocess.Popen(argv, cwd=cwd, env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(600, p.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                break
+        else:
+            return None, lines
+        if delay:
+            import time
+            time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        tail = []
+        reader = threading.Thread(target=lambda: tail.extend(p.stderr.read().splitlines()), daemon=True)
+        reader.start()
+        try:
+            rc = p.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {within} s after Ctrl-C: {lines}")
+        reader.join()
+        return rc, lines + tail
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+
+
+def test_ctrl_c_while_planning_exits_130_and_writes_nothing(tmp_path):
+    rc, lines = _interrupt([*CLI, "plan", "--model", "gpt-tiny", "--mesh", "h100-8", "--json", "out.json"],
+                           "planning gpt-tiny", tmp_path)
+    assert rc == 130 and lines[1:] == ["shardplan: interrupted"], (rc, lines)
+    assert os.listdir(tmp_path) == []
+
+
+# The child says when CP-SAT starts solving, so that the Ctrl-C lands inside a solve. The budget is
+# below the unconstrained plan's peak (about 14 MiB), so that CP-SAT solves with the memory constraint.
+ANNOUNCE_SOLVE = """
+import sys
+from ortools.sat.python import cp_model
+
+def announce(solve):
+    def announced(self, *args, **kwargs):
+        print("test: CP-SAT solving", file=sys.stderr, flush=True)
+        return solve(self, *args, **kwargs)
+    return announced
+
+cp_model.CpSolver.Solve = announce(cp_model.CpSolver.Solve)
+cp_model.CpSolver.solve = announce(cp_model.CpSolver.solve)
+from shardplan.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_the_solve_exits_130_and_writes_nothing(tmp_path):
+    rc, lines = _interrupt([sys.executable, "-c", ANNOUNCE_SOLVE, "plan", "--model", "gpt-tiny", "--mesh", "h100-8",
+                            "--memory-budget", "10MiB", "--time-limit", "2", "--json", "out.json"],
+                           "test: CP-SAT solving", tmp_path, delay=1.0, within=20)
+    if rc is None:
+        pytest.skip(f"CP-SAT did not run for this plan: {lines}")
+    assert rc == 130 and lines[-1] == "shardplan: interrupted" and "Traceback" not in "\n".join(lines), (rc, lines)
+    assert os.listdir(tmp_path) == []

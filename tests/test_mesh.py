@@ -68,3 +68,49 @@ def test_bad_mesh_files(mutate, match):
 def test_too_few_devices_names_the_flag():
     with pytest.raises(DeviceCountError, match="xla_force_host_platform_device_count=64"):
         load_mesh("h100-8x8").to_jax_mesh()
+
+
+def test_every_problem_is_reported():
+    data = _good()
+    data["colour"] = "red"
+    data["device"]["hbm_bytes"] = 0
+    data["links"]["l"]["latency"] = float("nan")
+    data["axes"][1].update(name="data", size=3)
+    with pytest.raises(MeshConfigError) as e:
+        mesh_from_dict(data, source="bad.toml")
+    assert e.value.problems == [
+        "bad.toml: [top level] unknown key 'colour'; allowed: axes, calibration, description, device, links, name, "
+        "source, topology",
+        "bad.toml: [device.hbm_bytes] must be a positive number, got 0",
+        "bad.toml: [links.l.latency] must be a non-negative number, got nan",
+        "bad.toml: [axes[1].name] axis 'data' is named twice",
+        "bad.toml: [axes] axis sizes {'data': 2, 'axes[1]': 3} multiply to 6, but the topology has 2 node(s) x 4 "
+        "devices = 8; make the sizes multiply to 8"]
+    assert str(e.value) == e.value.problems[0] + " (and 4 more problems)"
+    assert e.value.key == "top level" and e.value.source == "bad.toml"
+
+
+def test_one_problem_is_one_line():
+    data = _good()
+    data["topology"]["nodes"] = 0
+    with pytest.raises(MeshConfigError) as e:
+        mesh_from_dict(data, source="bad.toml")
+    assert e.value.problems == [str(e.value)] == ["bad.toml: [topology.nodes] must be a positive number, got 0"]
+
+
+@pytest.mark.parametrize("key, value", [("hbm_bandwidth", float("nan")), ("hbm_bandwidth", float("inf")),
+                                        ("hbm_bytes", float("inf")), ("hbm_bytes", 1.5)])
+def test_numbers_must_be_finite(key, value):
+    data = _good()
+    data["device"][key] = value
+    with pytest.raises(MeshConfigError, match=rf"\[device.{key}\] must be a positive (number|integer), got"):
+        mesh_from_dict(data)
+
+
+def test_a_file_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "mesh.toml"
+    path.write_bytes(b"name = \"\xff\"\n")
+    with pytest.raises(MeshConfigError, match=rf"^{path}: is not UTF-8 text \(byte 8 is 0xff: invalid start byte\)"):
+        load_mesh(str(path))
+    with pytest.raises(MeshConfigError, match=rf"^{tmp_path}: cannot be read: Is a directory"):
+        load_mesh(str(tmp_path))

@@ -1,0 +1,149 @@
+"""The decorator and shardplan.plan on steps written as users write them: arguments, loops, caching, names."""
+
+import json
+import os
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardplan
+from shardplan import planner
+
+MESH = shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4})
+
+
+class Batch(typing.NamedTuple):
+    x: jax.Array
+    y: jax.Array
+
+
+def _mixed_precision_step(state, batch: Batch, lr=0.1, unused=None):
+    """fp32 master weights; the bf16 copy the forward uses is part of the state (returned anew)."""
+    def loss_fn(w):
+        h = batch.x.astype(jnp.bfloat16) @ w["kernel"].astype(jnp.bfloat16) + w["bias"].astype(jnp.bfloat16)
+        return jnp.mean((h.astype(jnp.float32) - batch.y) ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(state["master"])
+    master = jax.tree.map(lambda p, d: p - lr * d, state["master"], g)
+    return {"master": master, "compute": jax.tree.map(lambda p: p.astype(jnp.bfloat16), master),
+            "step": state["step"] + 1}, {"loss": loss}
+
+
+def _state():
+    master = {"kernel": jnp.linspace(-1, 1, 64 * 32).reshape(64, 32), "bias": jnp.linspace(0, 1, 32)}
+    return {"master": master, "compute": jax.tree.map(lambda p: p.astype(jnp.bfloat16), master), "step": 0}
+
+
+def _batch():
+    return Batch(jnp.linspace(-1, 1, 16 * 64).reshape(16, 64), jnp.linspace(0, 1, 16 * 32).reshape(16, 32))
+
+
+def test_state_leaves_come_back_with_their_input_sharding_and_a_loop_runs(tmp_path):
+    f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=tmp_path)
+    plain = jax.jit(_mixed_precision_step)
+    state, ref_state, losses, want = _state(), _state(), [], []
+    for _ in range(5):
+        ref_state, m = plain(ref_state, _batch())
+        want.append(float(m["loss"]))
+    for _ in range(5):
+        state, m = f(state, _batch())
+        losses.append(float(m["loss"]))
+    # bf16 dots: a contracting dimension split over devices sums its partial results in another
+    # order (in bf16), as any hand-sharded jax.jit of this step does; 1e-3 is a few bf16 ulps.
+    np.testing.assert_allclose(losses, want, rtol=1e-3)
+    plan = f.plan
+    out = {r.name: r.spec for r in plan.outputs}
+    for r in plan.inputs:
+        if r.name.startswith("[0]"):
+            assert out[r.name] == r.spec, r.name      # the same pytree path, the same sharding
+    assert int(state["step"]) == 5
+
+
+def test_keyword_static_and_donated_arguments_by_name(tmp_path):
+    def step(state, *, batch, scale, train):
+        loss = jnp.mean((batch @ state["w"]) ** 2) * scale
+        return ({"w": state["w"] * (0.9 if train else 1.0)}, loss)
+    f = shardplan.auto(step, mesh=MESH, static_argnames=("scale", "train"), donate_argnames="state", time_limit=2,
+                       cache=tmp_path)
+    state = {"w": jnp.ones((32, 8))}
+    x = jnp.ones((16, 32))
+    want = jax.jit(step, static_argnames=("scale", "train"))(state, batch=x, scale=2.0, train=True)[1]
+    state, got = f(state, batch=x, scale=2.0, train=True)
+    state, _ = f(state, batch=x, scale=2.0, train=True)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert f._last.traced.donated == (True, False)
+    assert len(f._cache) == 1      # the second call reuses the first call's plan and executable
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"static_argnums": 0, "donate_argnums": 0}, "both static and donated"),
+    ({"static_argnames": "nope"}, "static_argnames names 'nope', which is not a parameter"),
+    ({"donate_argnums": "state"}, "donate_argnums takes ints"),
+])
+def test_bad_call_options_name_the_argument(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        shardplan.auto(lambda state, batch: state, mesh=MESH, **kwargs)
+
+
+@pytest.mark.parametrize("limit", [0, -1, float("nan"), float("inf"), True])
+def test_bad_time_limit_is_refused(limit):
+    with pytest.raises(ValueError, match="time_limit=.* is not a positive number"):
+        shardplan.plan(lambda x: x * 2, jnp.ones((8, 8)), mesh=MESH, time_limit=limit)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), -1, 0])
+def test_bad_memory_budget_is_refused(budget):
+    with pytest.raises(ValueError, match="memory_budget=.* is not a number of bytes|memory_budget"):
+        shardplan.plan(lambda x: x * 2, jnp.ones((8, 8)), mesh=MESH, memory_budget=budget)
+
+
+def test_committed_arrays_on_another_sharding_are_moved_once(tmp_path):
+    f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=tmp_path)
+    state = jax.device_put(_state(), jax.devices()[3])     # committed to one device
+    state, m = f(state, _batch())
+    state, m = f(state, _batch())
+    assert np.isfinite(float(m["loss"]))
+
+
+def test_plans_are_read_back_from_the_cache_without_solving(tmp_path, monkeypatch):
+    args = (jax.eval_shape(_state), _batch())
+    first = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
+    [entry] = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+
+    def no_solving(*a, **k):
+        raise AssertionError("the solver ran although the plan was cached")
+    monkeypatch.setattr(planner, "solve", no_solving)
+    monkeypatch.setattr(planner, "solve_exact", no_solving)
+    second = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
+    assert second.specs_by_tensor() == first.specs_by_tensor() and second.in_tree == first.in_tree
+    # A corrupt entry is never trusted: a warning, then a fresh plan (with the solver).
+    monkeypatch.undo()
+    with open(tmp_path / entry, "w") as f:
+        f.write('{"format": "shardplan.plan/1", "mesh_na')
+    with pytest.warns(UserWarning, match="ignoring the unreadable cached plan"):
+        third = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
+    assert third.specs_by_tensor() == first.specs_by_tensor()
+    json.loads((tmp_path / entry).read_text())      # rewritten whole
+    # Another budget or mesh is another entry.
+    shardplan.plan(_mixed_precision_step, *args, mesh=shardplan.load_mesh("cpu-8", axes={"data": 8}), time_limit=2,
+                   cache=tmp_path)
+    assert len([p for p in os.listdir(tmp_path) if p.endswith(".json")]) == 2
+
+
+def test_no_cache_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDPLAN_CACHE_DIR", str(tmp_path))
+    shardplan.plan(_mixed_precision_step, jax.eval_shape(_state), _batch(), mesh=MESH, time_limit=2, cache=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_explain_names_rows_by_pytree_path_and_source_line(tmp_path):
+    plan = shardplan.plan(_mixed_precision_step, jax.eval_shape(_state), _batch(), mesh=MESH, time_limit=2,
+                          cache=tmp_path)
+    names = [r.name for r in plan.outputs]
+    assert "[0]['master']['kernel']" in names and "[1]['loss']" in names
+    assert "[1].x" in [r.name for r in plan.inputs]
+    here = os.path.basename(__file__)
+    assert any(f"@ {here}:" in r.name for r in plan.activations)
+    assert f"@ {here}:" in plan.explain()
