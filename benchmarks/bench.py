@@ -171,6 +171,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     jax_mesh = mesh_spec.to_jax_mesh()
     traced = trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,)))
     closed, names, arg_of, donated = traced.closed, traced.names, traced.arg_of, traced.donated
+    pairs = traced.state_pairs    # state leaves leave as they came: the plan a user's loop runs
     hbm = mesh_spec.device.hbm_bytes
     options = PlannerOptions(time_limit=time_limit)
     flat_avals = jax.tree.leaves((state, batch))
@@ -212,10 +213,11 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
         if isinstance(figures, dict):
             budget = int(0.85 * figures["memory_gib"] * 2**30)
         else:
-            budget = _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options)
+            budget = _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options, pairs)
     elif cell.budget == "infeasible":
         try:
-            loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options)
+            loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options,
+                                  state_pairs=pairs)
             budget = int(loose.cost.memory_bytes * 0.01)
         except shardplan.InfeasibleBudgetError:
             budget = int(hbm * 0.01)
@@ -225,7 +227,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     rows = []
 
     f = shardplan.auto(ref.train_step, mesh=mesh_spec, memory_budget=budget, donate_argnums=(0,),
-                       time_limit=time_limit)
+                       time_limit=time_limit, cache=False)
     try:
         start = time.perf_counter()
         f.trace(state, batch)                      # trace, build the graph, solve: the planner's time
@@ -252,7 +254,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
         else:
             fixed = [from_partition_spec(s, len(a.shape)) for s, a in zip(flat, flat_avals)]
             try:
-                p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated,
+                p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, state_pairs=pairs,
                                   options=options, fixed_inputs=fixed)
                 predicted = p.cost.step_s * 1e3
             except shardplan.InfeasibleBudgetError:
@@ -276,15 +278,16 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     return rows
 
 
-def _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options) -> int:
+def _halfway_budget(closed, names, arg_of, mesh_spec, hbm, donated, options, pairs) -> int:
     """Halfway between the planner's leanest plan and its plan under the device's memory."""
     try:
-        loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options)
+        loose, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, options=options,
+                              state_pairs=pairs)
         peak = loose.cost.memory_bytes
     except shardplan.InfeasibleBudgetError:
         peak = hbm
     try:
-        plan_jaxpr(closed, names, arg_of, mesh_spec, 1, donated=donated, options=options)
+        plan_jaxpr(closed, names, arg_of, mesh_spec, 1, donated=donated, options=options, state_pairs=pairs)
         lean = 0
     except shardplan.InfeasibleBudgetError as e:
         lean = e.min_feasible_bytes or 0
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=None,
                     help="substrings of cell ids to run, separated by ';' (ids contain commas: 'h100-8(2,4)')")
     ap.add_argument("--list", action="store_true", help="list the cells and exit")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                    help="folder for the tables and figures (default: benchmarks/results under the current directory)")
     ap.add_argument("--plots", action="store_true", help="also draw PNG plots (needs matplotlib)")
     ap.add_argument("--time-limit", type=float, default=30.0)
     args = ap.parse_args(argv)

@@ -33,7 +33,7 @@ def _time_plan(ref, batch, mesh, budget=None) -> float:
     state = jax.eval_shape(ref.init, jax.random.key(0))
     start = time.perf_counter()
     shardplan.plan(ref.train_step, state, ref.batch(batch, abstract=True), mesh=mesh, memory_budget=budget,
-                   donate_argnums=(0,))
+                   donate_argnums=(0,), cache=False)
     return time.perf_counter() - start
 
 
@@ -60,7 +60,8 @@ def strategy_rows(model: str = "gpt2-small", mesh: str = "h100-8x8", batch: int 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                    help="folder for the tables and figures (default: benchmarks/results under the current directory)")
     args = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")

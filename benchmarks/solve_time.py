@@ -35,7 +35,7 @@ def main() -> None:
         batch = ref.batch(args.batch, abstract=True)
         start = time.perf_counter()
         p = shardplan.plan(ref.train_step, state, batch, mesh=args.mesh, donate_argnums=(0,),
-                           time_limit=args.time_limit, memory_budget=args.memory_budget)
+                           time_limit=args.time_limit, memory_budget=args.memory_budget, cache=False)
         wall = time.perf_counter() - start
         print(f"| {args.model} | {n} | {'scan' if args.scan else 'unrolled'} | {wall:.1f} | {p.solver.wall_time:.1f} | "
               f"{p.solver.status} | {p.solver.gap:.1%} | {p.cost.step_s:.2f} | {p.cost.memory_bytes / 2**30:.1f} |",

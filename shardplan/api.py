@@ -44,7 +44,7 @@ def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: 
     key = plan_cache.plan_key(traced, mesh_spec, budget, options) if directory else ""
     cached = plan_cache.load(directory, key)
     p, graph = plan_jaxpr(traced.closed, traced.names, traced.arg_of, mesh_spec, budget, donated=traced.donated,
-                          options=options, in_tree=traced.in_tree, out_tree=traced.out_tree,
+                          options=options, in_tree=traced.arg_tree, out_tree=traced.out_tree,
                           state_pairs=traced.state_pairs, out_names=traced.out_names, cached=cached)
     if cached is None:
         plan_cache.store(directory, key, p)
@@ -66,10 +66,12 @@ class _Compiled:
 
     def placed(self, leaves: list) -> list:
         """The leaves on their planned shardings: arrays made elsewhere (on one device, or by
-        another jit) are moved once; the step's own outputs already sit there."""
+        another jit) are moved once; the step's own outputs already sit there. Python scalars and
+        numpy arrays become arrays as jit would make them (a ``TrainState``'s ``step=0`` then has
+        the same signature as the step's own output, so the second call does not recompile)."""
         out = []
         for x, sh in zip(leaves, self.in_shardings):
-            if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sh, x.ndim):
+            if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(sh, x.ndim):
                 x = jax.device_put(x, sh)
             out.append(x)
         return out

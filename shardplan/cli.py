@@ -307,7 +307,9 @@ def _main(argv: list[str]) -> int:
     parser = _Parser(prog="shardplan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="plan a reference model's train step on a mesh preset or file")
-    p.add_argument("--model", default="gpt2-small", help="reference model config (models/train.py MODEL_CONFIGS)")
+    p.add_argument("--model", default="gpt2-small",
+                   help="reference model: gpt-tiny, llama-tiny, mlp-tiny, resnet-tiny, vit-tiny, gpt2-small, "
+                        "gpt3-1.3b, llama3-8b, ... (shardplan.models.train.MODEL_CONFIGS)")
     p.add_argument("--mesh", default="h100-8", help="preset name or mesh file path")
     p.add_argument("--axes", default=None, help="override the logical mesh axes, e.g. data=2,model=4; "
                                                 "'search' tries every data x model shape and keeps the best")
@@ -337,7 +339,7 @@ def _main(argv: list[str]) -> int:
             a.add_argument(flag, type=action.type, **kwargs)
     sub.add_parser("bench", help="the benchmark harness: planner vs hand plans over models, meshes and budgets "
                                  "(shardplan bench --help)")
-    m = sub.add_parser("mesh", help="inspect mesh presets")
+    m = sub.add_parser("mesh", help="list, show, validate, create and calibrate mesh files and presets")
     msub = m.add_subparsers(dest="mesh_cmd", required=True)
     msub.add_parser("list", help="list the presets")
     show = msub.add_parser("show", help="print a preset or file with derived figures")
@@ -371,7 +373,8 @@ def _main(argv: list[str]) -> int:
             return _cmd_mesh(args, extra)
         return {"plan": _cmd_plan, "audit": _cmd_audit}[args.cmd](args)
     except (ShardplanError, ValueError, KeyError, OSError) as e:
-        print(f"shardplan: error: {e}", file=sys.stderr)
+        text = e.args[0] if isinstance(e, KeyError) and e.args else e     # a KeyError's str() is quoted
+        print(f"shardplan: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -162,6 +162,7 @@ class Graph:
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
         self.current_loop = 0
+        self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0
         self.warnings: list[str] = []
         self._groups = _UnionFind()
@@ -299,17 +300,18 @@ def storage_dtype(dtype) -> tuple[np.dtype, bool]:
 _LIBRARY_DIRS = tuple(f"{os.sep}{d}{os.sep}" for d in ("flax", "optax", "jax", "jaxlib"))
 
 
-def source_of(eqn) -> str:
+def source_of(eqn, inherited: str = "") -> str:
     """``file:line (function)`` of the innermost frame of the user's code that made ``eqn``
-    (outside jax, flax and optax), or of the innermost frame when all are library frames."""
+    (outside jax, flax and optax), else of its innermost frame; ``inherited`` (the enclosing
+    call's) where the eqn carries no traceback, as the bodies of jax.numpy's own jitted functions."""
     try:
         from jax._src import source_info_util
         for frame in source_info_util.user_frames(eqn.source_info.traceback):
             if not any(d in frame.file_name for d in _LIBRARY_DIRS):
                 return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
-        return source_info_util.summarize(eqn.source_info)
+        return inherited or source_info_util.summarize(eqn.source_info) or "<unknown source>"
     except Exception:  # the summary is a nicety; an internal API change must not break planning
-        return "<unknown source>"
+        return inherited or "<unknown source>"
 
 
 def _name_of(eqn) -> str:
@@ -363,14 +365,16 @@ class _Walker:
             prim = eqn.primitive.name
             if prim in CALL_PRIMITIVES:
                 body, _ = sub_jaxpr(eqn)
+                outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
                 for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):
                     env[v] = t
+                g.call_source = outer
                 continue
             if prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i)
             else:
                 outs = []
-                src = source_of(eqn)
+                src = source_of(eqn, g.call_source)
                 for j, v in enumerate(eqn.outvars):
                     t = g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult)
                     g.eqn_outputs[(id(eqn), j)] = t
@@ -452,7 +456,7 @@ class _Walker:
     def _fresh(self, mult: float, eqn) -> list[int]:
         outs = []
         for j, v in enumerate(eqn.outvars):
-            t = self.g.new_tensor(v.aval, _name_of(eqn), "activation", source_of(eqn), mult)
+            t = self.g.new_tensor(v.aval, _name_of(eqn), "activation", source_of(eqn, self.g.call_source), mult)
             self.g.eqn_outputs[(id(eqn), j)] = t
             outs.append(t)
         return outs
@@ -474,7 +478,8 @@ class _Walker:
             nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
             body_in = []
             for k, (v, t) in enumerate(zip(body.invars, ins)):
-                bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn), mult * length)
+                bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn, g.call_source),
+                                  mult * length)
                 if k < nc + nk:
                     g.union(t, bt)
                 elif t is not None and g.tensors[t].rank:

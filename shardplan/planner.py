@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
 from shardplan.errors import InfeasibleBudgetError
-from shardplan.exact import solve_exact
+from shardplan.exact import solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph, build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
@@ -19,7 +19,7 @@ from shardplan.progress import Status
 from shardplan.rules import apply_rule
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.sizes import format_bytes
-from shardplan.solver import SolverStats, peak_memory, solve, total_cost
+from shardplan.solver import SolverStats, greedy, peak_memory, solve, total_cost
 from shardplan.strategies import Enumerator
 from shardplan.tying import tie, untie
 
@@ -70,6 +70,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs)
     if cached is not None:
         if cached.fingerprint == graph_fingerprint(graph):
+            with Status() as line:
+                line.done(f"plan read from the cache: predicted step {cached.cost.step_s * 1e3:.3f} ms")
             return dataclasses.replace(cached, in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh), graph
         warnings.warn("shardplan: a cached plan does not match the traced step's tensors; planning again",
                       stacklevel=3)
@@ -87,28 +89,34 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         return untie(tied, choice) if tied else choice
 
     start = time.perf_counter()
-    # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
-    # Memory plays no part there, so far more options are dead ends than under a budget.
-    # Solved exactly by variable elimination where the problem is narrow enough (most steps).
-    line = Status()
-    line.say(f"solving: {len(reduced.problem.nodes)} decisions, {len(reduced.problem.edges)} pairs")
-    free, keep = eliminate_dead_ends(reduced.problem, memory=False)
-    sol = solve_exact(free) or solve(free, budget_bytes=None, time_limit=options.time_limit,
-                                     relative_gap=options.relative_gap, status_line=line)
-    choice = full_choice(sol, keep)
-    if peak_memory(problem, choice) > budget_bytes:
-        bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
-        line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
-        sol = solve(bounded, budget_bytes=budget_bytes, time_limit=options.time_limit,
-                    relative_gap=options.relative_gap, status_line=line)
-        if sol is None:
-            sol = _memory_first(bounded, budget_bytes, options)
-            if sol is None:
-                _raise_infeasible(graph, enum, reduced, budget_bytes, options)
+    with Status() as line:       # ended whatever happens: an error never lands on it
+        # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
+        # Memory plays no part there, so far more options are dead ends than under a budget.
+        # Solved exactly by variable elimination where the problem is narrow enough (most steps).
+        line.say(f"solving: {len(reduced.problem.nodes)} decisions, {len(reduced.problem.edges)} pairs")
+        free, keep = eliminate_dead_ends(reduced.problem, memory=False)
+        sol = solve_exact(free) or _solve_wide(free, options, line)
         choice = full_choice(sol, keep)
-    stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
-    line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
-              f"{stats.wall_time:.1f} s")
+        if peak_memory(problem, choice) > budget_bytes:
+            bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
+            line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
+            # Below the sum of every node's leanest option no plan can fit: skip straight to the
+            # leanest plan (for the error's smallest budget that works).
+            floor = float((bounded.base_memory + sum(n.memory.min(axis=1) for n in bounded.nodes)).max())
+            sol = None if floor > budget_bytes else solve(bounded, budget_bytes=budget_bytes,
+                                                          time_limit=options.time_limit,
+                                                          relative_gap=options.relative_gap, status_line=line)
+            if sol is None:
+                line.say("solving for the leanest plan")
+                lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
+                             status_line=line)
+                if lean is None or peak_memory(bounded, lean.choice) > budget_bytes:
+                    _raise_infeasible(graph, enum, bounded, budget_bytes, lean)
+                sol = _from_leanest(bounded, lean, budget_bytes, options)
+            choice = full_choice(sol, keep)
+        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+        line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
+                  f"{stats.wall_time:.1f} s")
     plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
     return plan, graph
 
@@ -131,12 +139,26 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _memory_first(problem, budget_bytes, options):
-    """When the constrained solve finds nothing in time: find a plan that fits first (least peak
-    memory), then search for a cheaper one from it; ``None`` if even the leanest plan does not fit."""
-    lean = solve(problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True)
-    if lean is None or peak_memory(problem, lean.choice) > budget_bytes:
-        return None
+# Edge-table cells past which CP-SAT's model (one boolean per cell) is too large to help.
+_CP_SAT_CELLS = 200_000
+
+
+def _solve_wide(problem, options, line):
+    """The unconstrained problem where elimination's tables would be too large (meshes of three or
+    more axes): the best plan no move of two mesh axes improves, then CP-SAT from it where its
+    model is small enough to improve on it or prove it."""
+    line.say(f"solving: {len(problem.nodes)} decisions, by pairs of mesh axes")
+    sol = solve_by_axis_blocks(problem, greedy(problem))
+    if sum(t.size for t in problem.edges.values()) > _CP_SAT_CELLS:
+        return sol
+    polished = solve(problem, budget_bytes=None, time_limit=options.time_limit, relative_gap=options.relative_gap,
+                     hint=sol.choice, status_line=line)
+    return polished if polished is not None and polished.stats.objective <= sol.stats.objective else sol
+
+
+def _from_leanest(problem, lean, budget_bytes, options):
+    """When the constrained solve finds nothing in time but the leanest plan fits: search for a
+    cheaper plan that fits, starting from it; the leanest plan itself if none is found."""
     better = solve(problem, budget_bytes=budget_bytes, time_limit=options.time_limit,
                    relative_gap=options.relative_gap, hint=lean.choice)
     if better is not None:
@@ -146,12 +168,12 @@ def _memory_first(problem, budget_bytes, options):
                                                                bound=0.0, gap=1.0))
 
 
-def _raise_infeasible(graph, enum, reduced, budget_bytes, options):
-    best = solve(reduced.problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True)
-    if best is not None:
-        need, how = int(best.stats.objective), "about"
+def _raise_infeasible(graph, enum, problem, budget_bytes, lean):
+    """``lean``: the least-memory solution of ``problem`` (``None`` if none was found in time)."""
+    if lean is not None:
+        need, how = int(lean.stats.objective), "about"
     else:   # a lower bound: every node at its smallest option at every checkpoint
-        lowest = reduced.problem.base_memory + sum(n.memory.min(axis=1) for n in reduced.problem.nodes)
+        lowest = problem.base_memory + sum(n.memory.min(axis=1) for n in problem.nodes)
         need, how = int(lowest.max()), "at least"
     largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
                      key=lambda x: -x[1])[:5]

@@ -51,9 +51,22 @@ class Status:
         if self.enabled:
             self.stream.write(f"\rshardplan {time.perf_counter() - self.start:6.1f}s {text}".ljust(100)[:160])
             self.stream.flush()
+            self.pending = True
 
     def done(self, text: str) -> None:
+        """The last word of a stage: the line is kept and ended."""
         if self.enabled:
             self.say(text)
+            self.close()
+
+    def close(self) -> None:
+        if self.enabled and getattr(self, "pending", False):
             self.stream.write("\n")
             self.stream.flush()
+            self.pending = False
+
+    def __enter__(self) -> Status:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()       # an error or Ctrl-C never lands on the end of a status line

@@ -57,7 +57,7 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
         dims += [(l, r, None) for l, r in zip(lc, rc)]
         g.dot_at[id(eqn)] = len(g.dots)
-        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn)))
+        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source)))
         return
 
     if prim in _RANDOM:
@@ -195,7 +195,7 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
                 edge(t, out, required=lambda s, ones=ones: _clear(s, ones))
         return
 
-    g.warn_once(prim, f"shardplan: no sharding rule for primitive {prim!r} at {source_of(eqn)}; "
+    g.warn_once(prim, f"shardplan: no sharding rule for primitive {prim!r} at {source_of(eqn, g.call_source)}; "
                       "its operands are gathered to replicated (correct, maybe slow)")
     for o in outs:
         for t in operands:
@@ -225,7 +225,7 @@ def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
         dims.append((None, rhs_spec[2 + i], None))
         sizes.append(rshape[rhs_spec[2 + i]])
     g.dot_at[id(eqn)] = len(g.dots)
-    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn), frozenset(fixed), tuple(sizes)))
+    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source), frozenset(fixed), tuple(sizes)))
 
 
 def _reshape_rule(shape_in, shape_out):

@@ -64,6 +64,13 @@ def hbm_traffic(graph: Graph) -> dict[int, int]:
     return {t: n for t, n in traffic.items() if n}
 
 
+def _distinct(values: list) -> tuple[list, np.ndarray]:
+    """The distinct values in first-seen order, and each value's index among them."""
+    seen: dict = {}
+    index = np.array([seen.setdefault(v, len(seen)) for v in values], dtype=np.intp)
+    return list(seen), index
+
+
 def _assignments(choices_per_axis: list[list[int]]):
     """Every way to give each mesh axis one of its choices (-1: unused)."""
     return itertools.product(*[[-1] + c for c in choices_per_axis])
@@ -354,14 +361,17 @@ class Enumerator:
                 # The operand is resharded to what the op requires: the price depends only on
                 # the operand's shape and the two specs, shared by every edge that moves alike.
                 src = g.tensors[e.src]
-                needs = [e.required(d) for d in spec_of[e.dst]]
-                for i, have in enumerate(spec_of[e.src]):
+                haves, h_index = _distinct(spec_of[e.src])
+                needs, n_index = _distinct([e.required(d) for d in spec_of[e.dst]])
+                cells = np.empty((len(haves), len(needs)))
+                for i, have in enumerate(haves):
                     for j, need in enumerate(needs):
                         key = (src.shape, src.dtype.itemsize, e.mult, have, need)
                         if key not in moves:
                             moves[key] = sum(sec for _, sec in self.priced(
                                 self.m.reshard(src.shape, src.dtype.itemsize, have, need), e.mult))
-                        table[i, j] = moves[key]
+                        cells[i, j] = moves[key]
+                table = cells[np.ix_(h_index, n_index)]
             else:
                 cache: dict[tuple[Spec, Spec], float] = {}
                 for i, have in enumerate(spec_of[e.src]):
@@ -384,20 +394,21 @@ class Enumerator:
             groups = [self.partial_groups(dot, o) for o in options]
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
                 other = node_of_group[g.group_of(tid)]
-                table = np.zeros((len(options), len(nodes[other].options)))
-                cache = {}
-                for i, (req_l, req_r, prod, partial, _) in enumerate(derived):
-                    for j, have in enumerate(spec_of[tid]):
-                        key = (req_l, have) if role == "lhs" else (req_r, have) if role == "rhs" \
-                            else (prod, groups[i], have)
-                        if key not in cache:
-                            if role == "out":
-                                t = g.tensors[tid]
-                                cache[key] = sum(sec for _, sec in self.priced(
-                                    self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have, groups[i]),
-                                    dot.mult, reduces=tid))
-                            else:
-                                cache[key] = dot.mult * self.reshard_time(tid, have, key[0])
-                        table[i, j] = cache[key]
-                add_table(node, other, table)
+                # The price depends on the dot option only through what it needs of this tensor
+                # (or, for the result, what it makes): priced once per distinct pair.
+                wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
+                                            else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
+                haves, h_index = _distinct(spec_of[tid])
+                t = g.tensors[tid]
+                cells = np.empty((len(wants), len(haves)))
+                for i, want in enumerate(wants):
+                    for j, have in enumerate(haves):
+                        if role == "out":
+                            prod, partial, grp = want
+                            cells[i, j] = sum(sec for _, sec in self.priced(
+                                self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have, grp),
+                                dot.mult, reduces=tid))
+                        else:
+                            cells[i, j] = dot.mult * self.reshard_time(tid, have, want[0])
+                add_table(node, other, cells[np.ix_(w_index, h_index)])
         return Problem(nodes, edges, base_memory, node_of_group, node_of_dot)

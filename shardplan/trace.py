@@ -125,6 +125,7 @@ class TracedStep:
     arg_of: tuple[ArgId, ...]            # the argument each flat input belongs to
     donated: tuple[bool, ...]
     in_tree: Any                         # PyTreeDef of the dynamic (args, kwargs) pair
+    arg_tree: Any                        # what Plan.in_shardings() mirrors: the args tuple, or (args, kwargs)
     out_tree: Any
     out_names: tuple[str, ...]           # flat output names: pytree paths of the result
     state_pairs: tuple[tuple[int, int], ...]   # (flat input, flat output) returned in its place
@@ -137,11 +138,6 @@ class TracedStep:
         if tree != self.in_tree:
             raise PlanMismatchError(f"arguments have structure {tree}, the plan was made for {self.in_tree}")
         return leaves
-
-    def unflatten_inputs(self, leaves):
-        """A pytree mirroring the positional arguments (and ``(args, kwargs)`` where kwargs were given)."""
-        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
-        return (args, kwargs) if self.has_kwargs else args
 
 
 def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: CallSpec | None = None) -> TracedStep:
@@ -171,14 +167,15 @@ def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: C
         names.append(_leaf_name(path[1:]))
         arg_of.append(arg)
     abstract = [abstract_leaf(x) for _, x in with_path]
-    line = Status()
-    line.say(f"tracing {getattr(fn, '__name__', 'the step')} ({len(abstract)} input arrays)")
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-    line.say(f"traced: {len(closed.jaxpr.eqns)} equations at the top level")
+    with Status() as line:
+        line.say(f"tracing {getattr(fn, '__name__', 'the step')} ({len(abstract)} input arrays)")
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+        line.done(f"traced: {len(closed.jaxpr.eqns)} equations at the top level")
     out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     donated = tuple(call.donated(a, len(args)) for a in arg_of)
     pairs = _state_pairs(dyn_args, dyn_kwargs, pos_ids, abstract, out_shape, donated, arg_of)
-    return TracedStep(closed, tuple(names), tuple(arg_of), donated, in_tree, out_tree,
+    arg_tree = in_tree if dyn_kwargs else jax.tree_util.tree_structure(dyn_args)
+    return TracedStep(closed, tuple(names), tuple(arg_of), donated, in_tree, arg_tree, out_tree,
                       tuple(_leaf_name(p) for p, _ in out_with_path), pairs, tuple(dyn_ids), bool(dyn_kwargs))
 
 

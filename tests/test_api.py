@@ -147,3 +147,27 @@ def test_explain_names_rows_by_pytree_path_and_source_line(tmp_path):
     here = os.path.basename(__file__)
     assert any(f"@ {here}:" in r.name for r in plan.activations)
     assert f"@ {here}:" in plan.explain()
+
+
+def test_in_shardings_mirror_the_positional_arguments(tmp_path):
+    state, batch = jax.eval_shape(_state), _batch()
+    plan = shardplan.plan(_mixed_precision_step, state, batch, mesh=MESH, time_limit=2, cache=tmp_path)
+    state_sh, batch_sh = plan.in_shardings()
+    assert jax.tree.structure(state_sh) == jax.tree.structure(state)
+    assert isinstance(batch_sh, Batch)
+    # ... so the state can be made on its planned shardings directly, as the README shows.
+    made = jax.jit(_state, out_shardings=state_sh)()
+    assert made["master"]["kernel"].sharding == state_sh["master"]["kernel"]
+    # With keyword arguments: (args, kwargs).
+    kw_plan = shardplan.plan(lambda s, *, b: _mixed_precision_step(s, b), state, b=batch, mesh=MESH, time_limit=2,
+                             cache=tmp_path)
+    args_sh, kwargs_sh = kw_plan.in_shardings()
+    assert set(kwargs_sh) == {"b"} and len(args_sh) == 1
+
+
+def test_a_python_scalar_step_counter_compiles_once(tmp_path):
+    f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=tmp_path)
+    state = _state()                                  # "step": 0, a Python int
+    for _ in range(3):
+        state, _ = f(state, _batch())
+    assert len(f._cache) == 1 and f._last.jitted._cache_size() == 1
