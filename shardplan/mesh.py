@@ -11,6 +11,7 @@ lowered on: planning for ``h100-8`` while lowering on 8 fake CPU devices is the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
 import math
 import os
@@ -208,15 +209,19 @@ def _table(table: Any, allowed: set[str], key: str, problems: _Problems) -> bool
         problems.add(key, f"must be a table, got {type(table).__name__}")
         return False
     for k in sorted((k for k in table if k not in allowed), key=str):
-        problems.add(key or "top level", f"unknown key {k!r}; allowed: {', '.join(sorted(allowed))}")
+        close = difflib.get_close_matches(str(k), sorted(allowed), n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.add(key or "top level", f"unknown key {k!r}; {hint}allowed: {', '.join(sorted(allowed))}")
     return True
 
 
 def _missing(table: Mapping, keys: tuple[str, ...], prefix: str, problems: _Problems) -> bool:
     """Whether a key of ``keys`` is missing from ``table``; each missing one is a problem."""
     absent = [k for k in keys if k not in table]
+    others = [str(k) for k in table if k not in keys]
     for k in absent:
-        problems.add(prefix + k, "missing key")
+        if not difflib.get_close_matches(k, others, n=1, cutoff=0.8):   # a misspelling is said once, above
+            problems.add(prefix + k, "missing key")
     return bool(absent)
 
 

@@ -141,6 +141,7 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
 
 # Edge-table cells past which CP-SAT's model (one boolean per cell) is too large to help.
 _CP_SAT_CELLS = 200_000
+_POLISH_LIMIT = 2.0
 
 
 def _solve_wide(problem, options, line):
@@ -151,9 +152,14 @@ def _solve_wide(problem, options, line):
     sol = solve_by_axis_blocks(problem, greedy(problem))
     if sum(t.size for t in problem.edges.values()) > _CP_SAT_CELLS:
         return sol
-    polished = solve(problem, budget_bytes=None, time_limit=options.time_limit, relative_gap=options.relative_gap,
-                     hint=sol.choice, status_line=line)
-    return polished if polished is not None and polished.stats.objective <= sol.stats.objective else sol
+    # A short polish (the local optimum is already a good plan): at most 2 units of CP-SAT time.
+    polished = solve(problem, budget_bytes=None, time_limit=min(options.time_limit, _POLISH_LIMIT),
+                     relative_gap=options.relative_gap, hint=sol.choice, status_line=line)
+    if polished is None:
+        return sol
+    better = polished.stats.objective < sol.stats.objective * (1 - 1e-9)
+    proved = polished.stats.status == "OPTIMAL" and polished.stats.objective <= sol.stats.objective
+    return polished if better or proved else sol
 
 
 def _from_leanest(problem, lean, budget_bytes, options):

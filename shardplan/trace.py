@@ -35,21 +35,16 @@ class CallSpec:
              donate_argnames=()) -> CallSpec:
         """Normalise the options and fill in names from positions and positions from names, as
         ``jax.jit`` does where ``fn`` has a signature."""
-        def ints(x, what):
-            x = (x,) if isinstance(x, int) else tuple(x or ())
+        def listed(x, kind, what):       # one int / name, or a sequence of them
+            x = (x,) if isinstance(x, kind) else tuple(x or ())
             for a in x:
-                if not isinstance(a, int):
-                    raise TypeError(f"{what} takes ints, got {a!r}")
+                if not isinstance(a, kind) or isinstance(a, bool):
+                    raise TypeError(f"{what} takes {'ints' if kind is int else 'names (str)'}, got {a!r}")
             return x
-
-        def strs(x, what):
-            x = (x,) if isinstance(x, str) else tuple(x or ())
-            for a in x:
-                if not isinstance(a, str):
-                    raise TypeError(f"{what} takes names (str), got {a!r}")
-            return x
-        s_nums, s_names = ints(static_argnums, "static_argnums"), strs(static_argnames, "static_argnames")
-        d_nums, d_names = ints(donate_argnums, "donate_argnums"), strs(donate_argnames, "donate_argnames")
+        s_nums = listed(static_argnums, int, "static_argnums")
+        s_names = listed(static_argnames, str, "static_argnames")
+        d_nums = listed(donate_argnums, int, "donate_argnums")
+        d_names = listed(donate_argnames, str, "donate_argnames")
         try:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -164,7 +159,8 @@ def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: C
     for path, _ in with_path:
         which, key = path[0].idx, path[1]
         arg = pos_ids[key.idx] if which == 0 else key.key
-        names.append(_leaf_name(path[1:]))
+        # "[i]..." by the argument's position in the call (static ones counted), "['name']..." by keyword
+        names.append((f"[{arg}]" + _leaf_name(path[2:])) if which == 0 else _leaf_name(path[1:]))
         arg_of.append(arg)
     abstract = [abstract_leaf(x) for _, x in with_path]
     with Status() as line:

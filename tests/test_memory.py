@@ -19,7 +19,7 @@ def _rss_mib() -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
 def test_ten_plans_in_one_process_keep_memory_bounded(tmp_path):
-    meshes = [{"data": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2}, {"data": 2, "fsdp": 2, "model": 2}]
+    meshes = [{"data": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2}, {"model": 8}]
     cases = [(model, scan, opt, meshes[k % len(meshes)])
              for k, (model, scan, opt) in enumerate([(m, s, o) for m in ("gpt-tiny", "mlp-tiny")
                                                      for s in (False, True) for o in ("adamw", "sgd")][:5] * 2)]

@@ -40,7 +40,7 @@ def _assert_planned_losses_match(plain, planned_ref, mesh):
     assert not planned.plan.warnings
 
 
-@pytest.mark.parametrize("mesh", ["8", "2x4", "2x2x2"])
+@pytest.mark.parametrize("mesh", ["8", "2x4"])
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("model", ["resnet-tiny", "vit-tiny"])
 def test_image_model_losses_match(model, scan, mesh):
@@ -48,8 +48,8 @@ def test_image_model_losses_match(model, scan, mesh):
     _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan), mesh)
 
 
-@pytest.mark.parametrize("mesh", ["2x4", "2x2x2"])
-@pytest.mark.parametrize("model", MODELS + ["resnet-tiny", "vit-tiny"])
+@pytest.mark.parametrize("model, mesh", [(m, mesh) for m in MODELS for mesh in ("2x4", "2x2x2")]
+                         + [("resnet-tiny", "2x4"), ("vit-tiny", "2x4")])
 def test_sgd_parameters_match(model, mesh):
     ref = reference(model, scan=True, optimizer=optax.sgd(0.1))
     state, batch = ref.init(jax.random.key(1)), ref.batch(8, seed=1)
