@@ -70,7 +70,7 @@ def test_rematerialised_step_matches_the_plain_unsharded_step(model, scan, remat
     _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan, remat=remat), mesh)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + ["resnet-tiny", "vit-tiny"])
 def test_unknown_remat_policy_names_the_policies(model):
     with pytest.raises(ValueError, match=r"remat='some' is not a policy; choose one of none, dots, full"):
         ref = reference(model, scan=True, remat="some")
