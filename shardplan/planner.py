@@ -102,7 +102,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
             line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
             # Below the sum of every node's leanest option no plan can fit: skip straight to the
             # leanest plan (for the error's smallest budget that works).
-            floor = float((bounded.base_memory + sum(n.memory.min(axis=1) for n in bounded.nodes)).max())
+            floor = float(_memory_floor(bounded).max())
             sol = None if floor > budget_bytes else solve(bounded, budget_bytes=budget_bytes,
                                                           time_limit=options.time_limit,
                                                           relative_gap=options.relative_gap, status_line=line)
@@ -174,13 +174,17 @@ def _from_leanest(problem, lean, budget_bytes, options):
                                                                bound=0.0, gap=1.0))
 
 
+def _memory_floor(problem):
+    """Per checkpoint, the bytes with every node at its leanest option on its own: no plan holds less."""
+    return problem.base_memory + sum(n.memory.min(axis=1) for n in problem.nodes)
+
+
 def _raise_infeasible(graph, enum, problem, budget_bytes, lean):
     """``lean``: the least-memory solution of ``problem`` (``None`` if none was found in time)."""
     if lean is not None:
         need, how = int(lean.stats.objective), "about"
-    else:   # a lower bound: every node at its smallest option at every checkpoint
-        lowest = problem.base_memory + sum(n.memory.min(axis=1) for n in problem.nodes)
-        need, how = int(lowest.max()), "at least"
+    else:
+        need, how = int(_memory_floor(problem).max()), "at least"
     largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
                      key=lambda x: -x[1])[:5]
     listing = ", ".join(f"{n} ({format_bytes(b)})" for n, b in largest)
