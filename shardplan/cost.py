@@ -16,6 +16,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from jax.sharding import PartitionSpec
 
 from shardplan.mesh import MeshSpec
@@ -77,6 +79,8 @@ class CostModel:
         # The planner asks the same questions of many tensors of one shape: answers are memoised
         # per instance (a method-level cache would keep every model alive for good).
         self._memo: dict[tuple, Any] = {}
+        self._ids: dict[tuple, int] = {}                    # spec (or reduction) -> number, for tables
+        self._pairs: dict[tuple[int, int], tuple] = {}      # (row number, column number) -> unit
 
     def _cached(self, key: tuple, compute):
         try:
@@ -260,6 +264,108 @@ class CostModel:
             else:
                 comms += [Comm(ALL_REDUCE, p, nbytes) for p in parts]
         return comms + self.reshard(shape, itemsize, current_spec, dst)
+
+    # -- seconds, fast ------------------------------------------------------------------------
+    # A collective's seconds are its latency plus its bytes over a bandwidth, and its bytes are
+    # the bytes of one shard of the tensor: the product over dimensions of size / shards, with
+    # a ceiling only where a split is uneven. So one "unit" per pair of specs, priced on a
+    # canonical shape (each evenly split dimension at its divisor), prices every tensor of any
+    # shape by scaling its bandwidth part. The ILP's tables ask hundreds of thousands of such
+    # questions of a few thousand distinct spec pairs.
+    def _unit(self, produced: Spec, partial: tuple[str, ...], dst: Spec, groups, odd: tuple[int, ...] | None):
+        """``(divisors, reduction latency, other latency, bandwidth seconds on the canonical shape)``.
+
+        ``divisors[d]`` is how many shards dimension ``d`` is split in by the specs together;
+        ``odd[d]`` is the size of a dimension that divisor does not divide (0 where it does;
+        ``None``: all do), kept whole in the canonical shape."""
+        key = ("unit", produced, partial, dst, groups, odd)
+        unit = self._memo.get(key)
+        if unit is None:
+            used = [i for i, (p, d) in enumerate(zip(produced, dst)) if p or d]
+            if len(used) < len(produced):
+                # Dimensions no spec splits change nothing but the divisors: price the rest.
+                sub = self._unit(tuple(produced[i] for i in used), partial, tuple(dst[i] for i in used), groups,
+                                 None if odd is None else tuple(odd[i] for i in used))
+                divs = [1] * len(produced)
+                for i, n in zip(used, sub[0]):
+                    divs[i] = n
+                unit = self._memo[key] = (tuple(divs),) + sub[1:]
+                return unit
+            divs = tuple(self.shards(tuple(dict.fromkeys(p + d))) for p, d in zip(produced, dst))
+            shape = divs if odd is None else tuple(o or n for o, n in zip(odd, divs))
+            comms = self._reduce_partial(shape, 1, produced, partial, dst, groups) if partial else \
+                self._reshard(shape, 1, produced, dst)
+            lat_reduce = lat_other = bandwidth = 0.0
+            for c in comms:
+                latency = self.latency_time(c)
+                if c.kind in (ALL_REDUCE, REDUCE_SCATTER):
+                    lat_reduce += latency
+                else:
+                    lat_other += latency
+                bandwidth += self.collective_time(c) - latency
+            unit = self._memo[key] = (divs, lat_reduce, lat_other, bandwidth)
+        return unit
+
+    def reduce_table(self, shape: Sequence[int], itemsize: int, rows: Sequence[tuple], cols: Sequence[Spec],
+                     share: int = 1) -> np.ndarray:
+        """``[len(rows), len(cols)]`` seconds of :meth:`reduce_partial`'s collectives, row ``i``
+        being ``(produced, partial, groups)`` and column ``j`` the spec ``dst``. The reductions
+        (all-reduce, reduce-scatter) pay ``1/share`` of their latency: they are combined with
+        ``share - 1`` others into one collective (see ``Enumerator.combined_reductions``)."""
+        # Specs are numbered once per table side, so a cell costs a lookup of two small ints.
+        ids = self._ids
+        rows = [(p, tuple(part), None if grp is None else tuple(map(tuple, grp))) for p, part, grp in rows]
+        row_ids = tuple(ids.setdefault(("row",) + r, len(ids)) for r in rows)
+        col_ids = tuple(ids.setdefault(("col", c), len(ids)) for c in cols)
+        dims = np.asarray(shape, dtype=np.int64)
+        if len(cols) == 0 or len(rows) == 0 or (dims == 0).any():
+            return np.zeros((len(rows), len(cols)))
+        key = ("table", row_ids, col_ids)
+        units = self._memo.get(key)
+        if units is None:
+            pairs = self._pairs
+            flat = []
+            for r, ri in zip(rows, row_ids):
+                for c, ci in zip(cols, col_ids):
+                    unit = pairs.get((ri, ci))
+                    if unit is None:
+                        unit = pairs[(ri, ci)] = self._unit(r[0], r[1], c, r[2], None)
+                    flat.append(unit)
+            divs = np.array([u[0] for u in flat], dtype=np.int64).reshape(len(rows), len(cols), len(shape))
+            values = np.array([u[1:] for u in flat], dtype=float).reshape(len(rows), len(cols), 3)
+            units = self._memo[key] = (divs, values)
+        divs, values = units
+        even = dims % divs == 0                                     # [rows, cols, dims]
+        if not even.all():
+            # Cells with an uneven split: priced on their own canonical shape, once per table
+            # and set of sizes.
+            odd_dims = tuple(int(n) if not even[..., d].all() else 0 for d, n in enumerate(shape))
+            odd_key = ("odd", row_ids, col_ids, odd_dims)
+            fixed = self._memo.get(odd_key)
+            if fixed is None:
+                values = values.copy()
+                for i, j in zip(*np.nonzero(~even.all(axis=-1))):
+                    odd = tuple(int(n) if not e else 0 for n, e in zip(shape, even[i, j]))
+                    p, part, grp = rows[i]
+                    values[i, j] = self._unit(p, part, cols[j], grp, odd)[1:]
+                fixed = self._memo[odd_key] = values
+            values = fixed
+        scale = itemsize * np.where(even, dims // divs, 1).prod(axis=-1)
+        return values[..., 1] + values[..., 0] / share + values[..., 2] * scale
+
+    def reshard_table(self, shape: Sequence[int], itemsize: int, srcs: Sequence[Spec], dsts: Sequence[Spec]) \
+            -> np.ndarray:
+        """``[len(srcs), len(dsts)]`` seconds of :meth:`reshard`'s collectives."""
+        return self.reduce_table(shape, itemsize, [(s, (), None) for s in srcs], dsts)
+
+    def reduce_seconds(self, shape: Sequence[int], itemsize: int, produced: Spec, partial: Sequence[str],
+                       dst: Spec, groups: Sequence[Sequence[str]] | None = None, share: int = 1) -> float:
+        """One cell of :meth:`reduce_table`."""
+        return float(self.reduce_table(shape, itemsize, [(produced, partial, groups)], [dst], share)[0, 0])
+
+    def reshard_seconds(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> float:
+        """One cell of :meth:`reshard_table`."""
+        return 0.0 if src == dst else self.reduce_seconds(shape, itemsize, src, (), dst)
 
     # -- compute ------------------------------------------------------------------------------
     def compute_time(self, flops: float, nbytes: float, dtype_name: str = "float32") -> float:

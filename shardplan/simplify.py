@@ -95,7 +95,6 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
                 set_edge(a, c, total.min(axis=0))
                 changed = True
     kept = sorted(alive)
-    _prune_dominated(nodes, edges, adj, kept, steps)
     index = {old: new for new, old in enumerate(kept)}
     new_nodes = [nodes[i] for i in kept]
     new_edges = {}
@@ -104,34 +103,6 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
             new_edges[(index[a], index[b])] = t
     reduced = Problem(new_nodes, new_edges, problem.base_memory, {}, {})
     return Reduced(reduced, kept, steps)
-
-
-def _prune_dominated(nodes, edges, adj, kept, steps) -> None:
-    """Drop options no better than another option of the same node in every respect (exact)."""
-    for n in kept:
-        node = nodes[n]
-        k = len(node.options)
-        if k < 2:
-            continue
-        nbrs = sorted(adj[n])
-        # One row per option: its cost, memory at each checkpoint and every neighbour table row.
-        rows = np.concatenate([node.cost[:, None], node.memory.T] + [_table(edges, n, m) for m in nbrs], axis=1)
-        order = np.lexsort(rows.T[::-1])
-        keep: list[int] = []
-        for i in order:
-            if not any(np.all(rows[j] <= rows[i]) for j in keep):
-                keep.append(int(i))
-        if len(keep) == k:
-            continue
-        keep.sort()
-        steps.append(("prune", n, keep))
-        nodes[n] = dataclasses.replace(node, options=[node.options[i] for i in keep], cost=node.cost[keep],
-                                       memory=node.memory[:, keep])
-        for m in nbrs:
-            if n < m:
-                edges[(n, m)] = edges[(n, m)][keep, :]
-            else:
-                edges[(m, n)] = edges[(m, n)][:, keep]
 
 
 def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> tuple[Problem, list[np.ndarray]]:
@@ -150,11 +121,13 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
         adj[a].append(b)
         adj[b].append(a)
     keep = [np.arange(len(n.options)) for n in nodes]
+    dirty = set(range(len(nodes)))       # nodes whose own or a neighbour's options changed
     for _ in range(rounds):
         changed = False
+        check, dirty = dirty, set()
         for n, node in enumerate(nodes):
             k = len(node.options)
-            if k < 2:
+            if k < 2 or n not in check:
                 continue
             margin = node.cost[:, None] - node.cost[None, :]
             for m in adj[n]:
@@ -171,6 +144,8 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
             if alive.all():
                 continue
             changed = True
+            dirty.add(n)
+            dirty.update(adj[n])
             idx = np.nonzero(alive)[0]
             keep[n] = keep[n][idx]
             nodes[n] = dataclasses.replace(node, options=[node.options[i] for i in idx], cost=node.cost[idx],
@@ -191,9 +166,7 @@ def expand(reduced: Reduced, choice: list[int], num_nodes: int) -> list[int]:
     for new, old in enumerate(reduced.kept):
         full[old] = choice[new]
     for step in reversed(reduced.steps):
-        if step[0] == "prune":
-            full[step[1]] = step[2][full[step[1]]]
-        elif step[0] == "free":
+        if step[0] == "free":
             full[step[1]] = step[2]
         elif step[0] == "leaf":
             _, n, m, arg = step

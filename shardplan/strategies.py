@@ -91,7 +91,6 @@ class Enumerator:
         self.donated_outputs = donated_outputs
         self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
-        self._reshard_memo: dict[tuple, float] = {}
         self.combined = self.combined_reductions()
 
     # -- options ---------------------------------------------------------------------------------
@@ -186,13 +185,6 @@ class Enumerator:
             self._bytes_memo[key] = self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec)
         return self._bytes_memo[key]
 
-    def reshard_time(self, tid: int, src: Spec, dst: Spec) -> float:
-        key = (tid, src, dst)
-        if key not in self._reshard_memo:
-            t = self.g.tensors[tid]
-            self._reshard_memo[key] = self.m.comms_time(self.m.reshard(t.shape, t.dtype.itemsize, src, dst))
-        return self._reshard_memo[key]
-
     def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) \
             -> tuple[list[tuple[Comm, float]], Spec | None, Spec | None]:
         """For an edge with ``required``: its collectives, the spec its operand is resharded to
@@ -232,6 +224,24 @@ class Enumerator:
         else:
             comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
         return self.priced(comms, edge.mult, reduces=edge.dst)
+
+    def edge_seconds(self, edge, src_spec: Spec, dst_spec: Spec) -> float:
+        """Seconds per step of :meth:`edge_comms` (the same prices, without listing the collectives)."""
+        m, mult = self.m, edge.mult
+        if edge.required is not None:
+            t = self.g.tensors[edge.src]
+            seconds = m.reshard_seconds(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec))
+            made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
+            if seconds and made is not None:
+                out = self.g.tensors[edge.dst]
+                seconds = min(seconds, m.reshard_seconds(out.shape, out.dtype.itemsize, made, dst_spec))
+            return mult * seconds
+        produced, partial = edge.produced(src_spec)
+        if edge.primitive.startswith("scatter") and partial:
+            return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
+        t = self.g.tensors[edge.dst]
+        return mult * m.reduce_seconds(t.shape, t.dtype.itemsize, produced, partial, dst_spec,
+                                       share=self.combined.get(edge.dst, 1))
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
@@ -353,32 +363,51 @@ class Enumerator:
             else:
                 edges[(b, a)] = edges.get((b, a), 0) + table.T
 
-        moves: dict[tuple, float] = {}     # (shape, itemsize, mult, have, need) -> seconds, across edges
         for e in g.edges:
             a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
-            table = np.zeros((len(nodes[a].options), len(nodes[b].options)))
             if e.required is not None and e.passthrough is None:
                 # The operand is resharded to what the op requires: the price depends only on
                 # the operand's shape and the two specs, shared by every edge that moves alike.
                 src = g.tensors[e.src]
                 haves, h_index = _distinct(spec_of[e.src])
                 needs, n_index = _distinct([e.required(d) for d in spec_of[e.dst]])
-                cells = np.empty((len(haves), len(needs)))
-                for i, have in enumerate(haves):
-                    for j, need in enumerate(needs):
-                        key = (src.shape, src.dtype.itemsize, e.mult, have, need)
-                        if key not in moves:
-                            moves[key] = sum(sec for _, sec in self.priced(
-                                self.m.reshard(src.shape, src.dtype.itemsize, have, need), e.mult))
-                        cells[i, j] = moves[key]
-                table = cells[np.ix_(h_index, n_index)]
+                cells = self.m.reshard_table(src.shape, src.dtype.itemsize, haves, needs)
+                table = e.mult * cells[np.ix_(h_index, n_index)]
+            elif e.required is not None:
+                # The operand moves, or the op runs on it in place and its result moves:
+                # whichever is cheaper, per pair of specs.
+                src, out = g.tensors[e.src], g.tensors[e.dst]
+                haves, h_index = _distinct(spec_of[e.src])
+                dsts, d_index = _distinct(spec_of[e.dst])
+                needs, n_index = _distinct([e.required(d) for d in dsts])
+                moved = self.m.reshard_table(src.shape, src.dtype.itemsize, haves, needs)[:, n_index]
+                made = [[e.passthrough(have, d) for d in dsts] for have in haves]
+                outs, o_index = _distinct([m for row in made for m in row if m is not None])
+                if outs:
+                    after = self.m.reshard_table(out.shape, out.dtype.itemsize, outs, dsts)
+                    flat = iter(o_index)
+                    for i, row in enumerate(made):
+                        for j, m in enumerate(row):
+                            if m is not None:
+                                k = next(flat)
+                                if moved[i, j] > 0:
+                                    moved[i, j] = min(moved[i, j], after[k, j])
+                table = e.mult * moved[np.ix_(h_index, d_index)]
+            elif not e.primitive.startswith("scatter"):
+                # A result made as ``produced`` (partial over some axes) and reduced to the spec
+                # its group gives it.
+                haves, h_index = _distinct(spec_of[e.src])
+                dsts, d_index = _distinct(spec_of[e.dst])
+                made, m_index = _distinct([(p, tuple(part), None) for p, part in map(e.produced, haves)])
+                dst = g.tensors[e.dst]
+                cells = self.m.reduce_table(dst.shape, dst.dtype.itemsize, made, dsts,
+                                            self.combined.get(e.dst, 1))[m_index]
+                table = e.mult * cells[np.ix_(h_index, d_index)]
             else:
-                cache: dict[tuple[Spec, Spec], float] = {}
-                for i, have in enumerate(spec_of[e.src]):
-                    for j, d in enumerate(spec_of[e.dst]):
-                        if (have, d) not in cache:
-                            cache[(have, d)] = sum(sec for _, sec in self.edge_comms(e, have, d))
-                        table[i, j] = cache[(have, d)]
+                haves, h_index = _distinct(spec_of[e.src])
+                dsts, d_index = _distinct(spec_of[e.dst])
+                cells = np.array([[self.edge_seconds(e, have, d) for d in dsts] for have in haves])
+                table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
             add_table(a, b, table)
 
         node_of_dot: dict[int, int] = {}
@@ -400,15 +429,11 @@ class Enumerator:
                                             else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
                 haves, h_index = _distinct(spec_of[tid])
                 t = g.tensors[tid]
-                cells = np.empty((len(wants), len(haves)))
-                for i, want in enumerate(wants):
-                    for j, have in enumerate(haves):
-                        if role == "out":
-                            prod, partial, grp = want
-                            cells[i, j] = sum(sec for _, sec in self.priced(
-                                self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, have, grp),
-                                dot.mult, reduces=tid))
-                        else:
-                            cells[i, j] = dot.mult * self.reshard_time(tid, have, want[0])
+                shape, itemsize = t.shape, t.dtype.itemsize
+                if role == "out":
+                    cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
+                else:
+                    cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
+                cells = dot.mult * cells
                 add_table(node, other, cells[np.ix_(w_index, h_index)])
         return Problem(nodes, edges, base_memory, node_of_group, node_of_dot)

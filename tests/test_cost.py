@@ -162,3 +162,40 @@ def test_partial_sums_from_two_contracting_dims_are_what_xla_compiles(src, dst):
     predicted = sorted((c.kind, c.axes, c.nbytes) for c in M.reduce_partial(
         (256, 512), 4, ((), ()), ("data", "model"), from_partition_spec(dst, 2), groups))
     assert predicted == compiled
+
+
+def _all_specs(axes, rank):
+    import itertools
+    out = []
+    for pick in itertools.product(range(-1, rank), repeat=len(axes)):
+        spec = [()] * rank
+        for a, d in zip(axes, pick):
+            if d >= 0:
+                spec[d] = spec[d] + (a,)
+        out.append(tuple(spec))
+    return out
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 4), (2, 2, 2), (6, 4, 1), (3, 8, 5)])
+def test_tables_price_what_the_collectives_cost(shape):
+    """The ILP's tables (one unit per spec pair, scaled by the tensor's bytes) give the seconds of
+    the collectives :meth:`reduce_partial` lists, even and uneven splits alike, with combined
+    reductions paying their share of the latency."""
+    import random
+    m = CostModel(load_mesh("h100-8x8", axes={"data": 2, "fsdp": 4, "model": 8}))
+    specs = _all_specs(m.mesh.axis_names, len(shape))
+    rnd = random.Random(len(shape) * 7 + shape[0])
+    rows = []
+    for _ in range(40):
+        produced = rnd.choice(specs)
+        partial = tuple(a for a in m.mesh.axis_names if rnd.random() < 0.4 and all(a not in x for x in produced))
+        rows.append((produced, partial, None))
+    cols = rnd.sample(specs, 40)
+    for share in (1, 3):
+        table = m.reduce_table(shape, 2, rows, cols, share)
+        for (produced, partial, _), row in zip(rows, table):
+            for dst, cell in zip(cols, row):
+                exact = sum(m.collective_time(c) - ((1 - 1 / share) * m.latency_time(c)
+                                                    if c.kind in (ALL_REDUCE, REDUCE_SCATTER) else 0.0)
+                            for c in m.reduce_partial(shape, 2, produced, partial, dst))
+                assert cell == pytest.approx(exact, rel=1e-9, abs=1e-15), (produced, partial, dst)
