@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -13,11 +15,15 @@ import jax
 
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
-from shardplan.errors import InfeasibleBudgetError
+from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
+from shardplan.graph import build_graph
+from shardplan.multihost import check_same_plan, share_plan
 from shardplan.hardware import spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh
 from shardplan.plan import Plan
+from shardplan.plan import signature as plan_signature
 from shardplan.planner import PlannerOptions, plan_jaxpr
+from shardplan.rules import apply_rule
 from shardplan.sizes import parse_bytes
 from shardplan.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
 
@@ -49,6 +55,41 @@ def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: 
     if cached is None:
         plan_cache.store(directory, key, p)
     return p, graph
+
+
+def _given_plan(plan) -> tuple[Plan | None, str]:
+    if plan is None or isinstance(plan, Plan):
+        return plan, "the plan"
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(os.fspath(plan)), os.fspath(plan)
+    raise TypeError(f"plan= takes a shardplan.Plan or the path of a plan file, not {type(plan).__name__}")
+
+
+def _mesh_for_plan(plan: Plan, mesh, source: str) -> jax.sharding.Mesh:
+    """The jax Mesh to run a given plan on: ``mesh`` if its axes are the plan's, else the plan's axes."""
+    if mesh is None:
+        return plan.jax_mesh()
+    if isinstance(mesh, jax.sharding.Mesh):
+        axes = dict(mesh.shape)
+    else:
+        spec = _mesh_spec(mesh)
+        axes, mesh = dict(zip(spec.axis_names, spec.axis_sizes)), None
+    want = dict(zip(plan.axis_names, plan.axis_sizes))
+    if axes != want:
+        raise PlanMismatchError(f"{source} was made for mesh axes {want}; mesh= has {axes}: pass a mesh with "
+                                "those axes, or omit mesh= to lay the plan's axes over jax.devices()")
+    return mesh if mesh is not None else plan.jax_mesh()
+
+
+def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):
+    """A given plan checked against a traced step and bound to its pytree structures; with the
+    step's graph (its tensor paths are the plan's)."""
+    graph = build_graph(traced.closed, traced.names, apply_rule, ties=traced.state_pairs)
+    problem = plan.mismatch(plan_signature(graph), traced.names, str(traced.arg_tree))
+    if problem:
+        raise PlanMismatchError(f"{source} does not match this step: {problem}. Plan the step again "
+                                "(shardplan.plan / shardplan.auto without plan=)")
+    return dataclasses.replace(plan, in_tree=traced.arg_tree, out_tree=traced.out_tree), graph
 
 
 class _Compiled:
@@ -88,15 +129,24 @@ class AutoFunction:
     and compiled once; later calls reuse it.
     """
 
-    def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None, static_argnums=(),
+    def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
-                 cache=True, **jit_kwargs):
+                 cache=True, plan: Plan | str | os.PathLike | None = None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.cache = cache
         self.fn = fn
-        self.mesh_spec = _mesh_spec(mesh, hardware)
-        self._jax_mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None
-        self.budget = _budget(memory_budget, self.mesh_spec)
+        self.given, self._source = _given_plan(plan)
+        if self.given is not None:
+            self.mesh_spec = None
+            self._jax_mesh = _mesh_for_plan(self.given, mesh, self._source)
+            self.budget = None
+        else:
+            if mesh is None:
+                raise TypeError("shardplan.auto needs mesh= (a jax.sharding.Mesh, a preset name or a mesh "
+                                "file), or plan= (a Plan or a plan file)")
+            self.mesh_spec = _mesh_spec(mesh, hardware)
+            self._jax_mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None
+            self.budget = _budget(memory_budget, self.mesh_spec)
         self.call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self.options = PlannerOptions(time_limit=time_limit)
         self.jit_kwargs = jit_kwargs
@@ -107,7 +157,13 @@ class AutoFunction:
         key = signature(self.call, args, kwargs)
         if key not in self._cache:
             traced = trace_step(self.fn, args, kwargs, self.call)
-            plan, graph = _plan_traced(traced, self.mesh_spec, self.budget, self.options, self.cache)
+            if self.given is not None:
+                plan, graph = bind_plan(self.given, traced, self._source)
+            else:
+                plan, graph = share_plan(lambda: _plan_traced(traced, self.mesh_spec, self.budget, self.options,
+                                                              self.cache),
+                                         lambda p: bind_plan(p, traced, "the plan from process 0"))
+            check_same_plan(plan)
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
         self._last = self._cache[key]
@@ -146,22 +202,30 @@ def auto(fn: Callable, **kwargs) -> AutoFunction: ...
 def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
-def auto(fn=None, *, mesh, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, **jit_kwargs):
+def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
+         **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
     preset name or a mesh file. ``cache``: plans are kept on disk (:mod:`shardplan.cache`; ``True``:
     the default directory, a path: that one, ``False``: off). ``jit_kwargs`` are ``jax.jit``'s:
     ``static_argnums``, ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
+    ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    the traced step must be the one it was made for (:class:`PlanMismatchError` says what
+    differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
+
+    Under ``jax.distributed`` every process calls the step; process 0 plans and the plan reaches
+    the others (:mod:`shardplan.multihost`), and every process checks it holds the same plan
+    before the first step runs.
 
     >>> @shardplan.auto(mesh="h100-8", memory_budget="60GiB", donate_argnums=(0,))   # doctest: +SKIP
     ... def train_step(state, batch): ...
     """
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
-                                 time_limit=time_limit, cache=cache, **jit_kwargs)
+                                 time_limit=time_limit, cache=cache, plan=plan, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
-                        cache=cache, **jit_kwargs)
+                        cache=cache, plan=plan, **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),
@@ -174,8 +238,9 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     mesh_spec = _mesh_spec(mesh, hardware)
     call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
     traced = trace_step(fn, args, kwargs, call)
-    p, _ = _plan_traced(traced, mesh_spec, _budget(memory_budget, mesh_spec), PlannerOptions(time_limit=time_limit),
-                        cache)
+    options = PlannerOptions(time_limit=time_limit)
+    p, _ = share_plan(lambda: _plan_traced(traced, mesh_spec, _budget(memory_budget, mesh_spec), options, cache),
+                      lambda q: bind_plan(q, traced, "the plan from process 0"))
     return p
 
 

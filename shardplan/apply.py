@@ -17,15 +17,15 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from shardplan.cost import Spec, to_partition_spec
-from shardplan.graph import CALL_PRIMITIVES, Graph, sub_jaxpr
+from shardplan.graph import CALL_PRIMITIVES, Graph, body_prefix, eqn_path, sub_jaxpr
 
 _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
 
 class _Emitter:
-    def __init__(self, graph: Graph, specs: dict[int, Spec], dot_operands: dict[int, tuple[Spec, ...]],
-                 mesh: jax.sharding.Mesh, operand_pins: dict[tuple[int, int], Spec] | None = None,
-                 result_pins: dict[int, Spec] | None = None):
+    def __init__(self, graph: Graph, specs: dict[str, Spec], dot_operands: dict[str, tuple[Spec, ...]],
+                 mesh: jax.sharding.Mesh, operand_pins: dict[tuple[str, str], Spec] | None = None,
+                 result_pins: dict[str, Spec] | None = None):
         self.g = graph
         self.specs = specs
         self.dot_operands = dot_operands
@@ -38,12 +38,14 @@ class _Emitter:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_partition_spec(spec)))
 
-    def rebuild(self, closed) -> jcore.ClosedJaxpr:
+    def rebuild(self, closed, prefix: str) -> jcore.ClosedJaxpr:
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
                  for v in closed.jaxpr.invars]
-        return jax.make_jaxpr(lambda *a: self.eval(closed.jaxpr, closed.consts, a))(*avals)
+        return jax.make_jaxpr(lambda *a: self.eval(closed.jaxpr, closed.consts, a, prefix))(*avals)
 
-    def eval(self, jaxpr, consts, args) -> list:
+    def eval(self, jaxpr, consts, args, prefix: str = "") -> list:
+        """Evaluate ``jaxpr`` (at ``prefix``, as :func:`~shardplan.graph.eqn_path` names it) under
+        the plan's constraints."""
         env = {}
 
         def read(v):
@@ -53,69 +55,75 @@ class _Emitter:
             env[v] = c
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
-        for eqn in jaxpr.eqns:
+        for position, eqn in enumerate(jaxpr.eqns):
             ins = [read(v) for v in eqn.invars]
             prim, params = eqn.primitive, dict(eqn.params)
             name = prim.name
+            here = eqn_path(prefix, position, eqn)
             computed = None
             if name in ("dot_general", "conv_general_dilated"):
-                out_tid = self.g.eqn_outputs.get((id(eqn), 0))
-                if out_tid in self.dot_operands:
-                    lhs, rhs, *computed = self.dot_operands[out_tid]
+                if f"{here}:0" in self.dot_operands:
+                    lhs, rhs, *computed = self.dot_operands[f"{here}:0"]
                     ins = [self.constrain(ins[0], lhs), self.constrain(ins[1], rhs)]
             elif self.operand_pins:
-                ins = self._pin_operands(eqn, ins)
+                ins = self._pin_operands(eqn, here, ins)
+            inner = body_prefix(here, eqn)
             if name == "scan":
-                params["jaxpr"] = self.rebuild(params["jaxpr"])
+                params["jaxpr"] = self.rebuild(params["jaxpr"], inner)
             elif name == "while":
-                params["body_jaxpr"] = self.rebuild(params["body_jaxpr"])
+                params["body_jaxpr"] = self.rebuild(params["body_jaxpr"], inner)
             elif name == "cond":
-                params["branches"] = tuple(self.rebuild(b) for b in params["branches"])
+                params["branches"] = tuple(self.rebuild(b, body_prefix(here, eqn, k))
+                                           for k, b in enumerate(params["branches"]))
             elif name in _REBUILT_CALLS:
                 closed = jcore.ClosedJaxpr(params["jaxpr"], [])
-                new = self.rebuild(closed)
+                new = self.rebuild(closed, inner)
                 if new.consts:
-                    outs = self.eval(new.jaxpr, new.consts, ins)
-                    self._store(env, eqn, outs)
+                    for v, x in zip(eqn.outvars, self.eval(new.jaxpr, new.consts, ins)):
+                        env[v] = x
                     continue
                 params["jaxpr"] = new.jaxpr
             elif name in CALL_PRIMITIVES:
+                # Inlined: its results are its body's, constrained there.
                 body, body_consts = sub_jaxpr(eqn)
-                self._store(env, eqn, self.eval(body, body_consts, ins))
+                for v, x in zip(eqn.outvars, self.eval(body, body_consts, ins, inner)):
+                    env[v] = x
                 continue
             with eqn.ctx.manager:
                 outs = prim.bind(*ins, **prim.get_bind_params(params))
             if computed:
                 outs = self.constrain(outs, computed[0])
-            self._store(env, eqn, outs if prim.multiple_results else [outs])
+            self._store(env, eqn, here, outs if prim.multiple_results else [outs])
         return [read(v) for v in jaxpr.outvars]
 
-    def _pin_operands(self, eqn, ins: list) -> list:
+    def _pin_operands(self, eqn, here: str, ins: list) -> list:
         """Reshard operands where the plan priced it: before the op, not after (XLA would otherwise
         often broadcast or reshape a small operand first and reshard the larger result)."""
-        outs = [self.g.eqn_outputs.get((id(eqn), j)) for j in range(len(eqn.outvars))]
         pinned = list(ins)
         for k in range(len(ins)):
-            src = self.g.eqn_inputs.get((id(eqn), k))
-            for dst in outs:
-                spec = self.operand_pins.get((src, dst))
+            src = self.g.eqn_inputs.get((here, k))
+            if src is None:
+                continue
+            src = self.g.tensors[src].path
+            for j in range(len(eqn.outvars)):
+                spec = self.operand_pins.get((src, f"{here}:{j}"))
                 if spec is not None:
                     pinned[k] = self.constrain(ins[k], spec)
                     break
         return pinned
 
-    def _store(self, env, eqn, outs) -> None:
+    def _store(self, env, eqn, here: str, outs) -> None:
         for j, (v, x) in enumerate(zip(eqn.outvars, outs)):
-            tid = self.g.eqn_outputs.get((id(eqn), j))
-            if tid is not None and tid in self.result_pins:
-                x = self.constrain(x, self.result_pins[tid])      # as the op makes it, then resharded
-            env[v] = self.constrain(x, self.specs.get(tid)) if tid is not None else x
+            path = f"{here}:{j}"
+            if path in self.result_pins:
+                x = self.constrain(x, self.result_pins[path])      # as the op makes it, then resharded
+            env[v] = self.constrain(x, self.specs.get(path))
 
 
-def constrained_function(closed_jaxpr, graph: Graph, specs: dict[int, Spec],
-                         dot_operands: dict[int, tuple[Spec, ...]], mesh: jax.sharding.Mesh,
-                         operand_pins: dict[tuple[int, int], Spec] | None = None,
-                         result_pins: dict[int, Spec] | None = None) -> Callable:
+def constrained_function(closed_jaxpr, graph: Graph, specs: dict[str, Spec],
+                         dot_operands: dict[str, tuple[Spec, ...]], mesh: jax.sharding.Mesh,
+                         operand_pins: dict[tuple[str, str], Spec] | None = None,
+                         result_pins: dict[str, Spec] | None = None) -> Callable:
     """A function of the flat inputs that computes the jaxpr under the plan's constraints."""
     emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins, result_pins)
 

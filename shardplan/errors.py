@@ -35,5 +35,10 @@ class PlanMismatchError(ShardplanError, ValueError):
     """A plan is applied to arguments of another structure, shape or dtype than it was made for."""
 
 
+class PlanFileError(ShardplanError, ValueError):
+    """A plan file cannot be read: missing, truncated, not a shardplan plan, or edited into an
+    inconsistent state. The message names the file and the problem."""
+
+
 class DeviceCountError(ShardplanError, RuntimeError):
     """The mesh needs more devices than ``jax.devices()`` offers."""

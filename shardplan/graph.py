@@ -46,6 +46,7 @@ class Tensor:
     role: str           # "input", "output" or "activation"
     source: str         # "file:line (function)" of the op that made it, or the input path
     mult: float         # how many times it is produced per step (trip counts of enclosing scans)
+    path: str = ""      # where it is in the step: see :func:`eqn_path`
 
     @property
     def nbytes(self) -> int:
@@ -155,9 +156,9 @@ class Graph:
         self.inputs: list[int] = []
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []
-        self.eqn_outputs: dict[tuple[int, int], int] = {}   # (id(eqn), output index) -> tensor
-        self.eqn_inputs: dict[tuple[int, int], int] = {}    # (id(eqn), operand index) -> tensor
-        self.dot_at: dict[int, int] = {}   # id(eqn) -> index into dots
+        self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
+        self.by_path: dict[str, int] = {}                   # tensor path -> tensor
+        self.prefix = ""           # the path of the jaxpr being walked (see eqn_path)
         self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
@@ -172,11 +173,14 @@ class Graph:
         self._warned: set[str] = set()
 
     # -- construction --------------------------------------------------------------------------
-    def new_tensor(self, aval, name: str, role: str, source: str, mult: float) -> int:
+    def new_tensor(self, aval, name: str, role: str, source: str, mult: float, path: str) -> int:
         tid = len(self.tensors)
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
         dtype, is_key = storage_dtype(getattr(aval, "dtype", np.float32))
-        self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult))
+        if path in self.by_path:
+            raise AssertionError(f"two tensors at path {path}")
+        self.by_path[path] = tid
+        self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult, path))
         self.loop_of.append(self.current_loop)
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
@@ -320,6 +324,19 @@ def _name_of(eqn) -> str:
     return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
 
 
+def eqn_path(prefix: str, index: int, eqn) -> str:
+    """A stable name for an equation: its position in its jaxpr and its primitive, after the path
+    of the enclosing equation whose body that jaxpr is: ``"12.scan/3.dot_general"``. Tracing the
+    same step again gives the same paths; its tensors are ``"<eqn path>:<output index>"``, the
+    step's arguments ``"in:<k>"``, a scan body's arguments ``"<eqn path>/in:<k>"``."""
+    return f"{prefix}{index}.{eqn.primitive.name}"
+
+
+def body_prefix(here: str, eqn, branch: int = 0) -> str:
+    """The path prefix of an equation's body (a call's, a loop's, a cond branch's)."""
+    return f"{here}/b{branch}/" if eqn.primitive.name == "cond" else f"{here}/"
+
+
 def sub_jaxpr(eqn) -> tuple[Any, list]:
     """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
     for value in eqn.params.values():
@@ -346,7 +363,7 @@ class _Walker:
         env: dict[Any, int | None] = {}
         for k, v in enumerate(jaxpr.constvars):
             env[v] = const_tids[k] if const_tids is not None else \
-                g.new_tensor(v.aval, "constant", "activation", "closure constant", mult)
+                g.new_tensor(v.aval, "constant", "activation", "closure constant", mult, f"{g.prefix}const:{k}")
         for v, t in zip(jaxpr.invars, in_tids):
             env[v] = t
         level = _Level() if level is None else level
@@ -356,33 +373,32 @@ class _Walker:
                 return None
             return env.get(v)
 
-        for eqn in jaxpr.eqns:
+        prefix = g.prefix
+        for position, eqn in enumerate(jaxpr.eqns):
             i = len(level.defined)          # this eqn's position in the level's schedule
             ins = [read(v) for v in eqn.invars]
             for t in ins:
                 if t is not None:
                     level.last_use[t] = i
             prim = eqn.primitive.name
+            here = eqn_path(prefix, position, eqn)
             if prim in CALL_PRIMITIVES:
                 body, _ = sub_jaxpr(eqn)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
+                g.prefix = body_prefix(here, eqn)
                 for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):
                     env[v] = t
-                g.call_source = outer
+                g.call_source, g.prefix = outer, prefix
                 continue
             if prim in ("scan", "while", "cond"):
-                outs = self._structured(eqn, ins, mult, level, i)
+                outs = self._structured(eqn, ins, mult, level, i, here)
+                g.prefix = prefix
             else:
-                outs = []
-                src = source_of(eqn, g.call_source)
-                for j, v in enumerate(eqn.outvars):
-                    t = g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult)
-                    g.eqn_outputs[(id(eqn), j)] = t
-                    outs.append(t)
+                outs = self._fresh(mult, eqn, here)
                 self.rules(g, eqn, ins, outs, mult)
                 for k, t in enumerate(ins):
                     if t is not None:
-                        g.eqn_inputs[(id(eqn), k)] = t
+                        g.eqn_inputs[(here, k)] = t
                 if prim in _IN_PLACE and ins[0] in level.made_by:
                     # The result takes over the operand's buffer (XLA updates it in place when
                     # nothing reads the operand later; a later reader moves its last use on again).
@@ -453,13 +469,10 @@ class _Walker:
                         level.last_use[x] = i - 1
                         break
 
-    def _fresh(self, mult: float, eqn) -> list[int]:
-        outs = []
-        for j, v in enumerate(eqn.outvars):
-            t = self.g.new_tensor(v.aval, _name_of(eqn), "activation", source_of(eqn, self.g.call_source), mult)
-            self.g.eqn_outputs[(id(eqn), j)] = t
-            outs.append(t)
-        return outs
+    def _fresh(self, mult: float, eqn, here: str) -> list[int]:
+        src = source_of(eqn, self.g.call_source)
+        return [self.g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult, f"{here}:{j}")
+                for j, v in enumerate(eqn.outvars)]
 
     def _inner(self, body, body_in: list[int | None], mult: float, level: _Level, i: int):
         inner = _Level()
@@ -469,9 +482,10 @@ class _Walker:
         level.inner_peak[i] = _peak(self.g, inner, set(body_in) | set(outs))
         return outs
 
-    def _structured(self, eqn, ins, mult, level, i) -> list[int]:
+    def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
         g, prim = self.g, eqn.primitive.name
-        outs = self._fresh(mult, eqn)
+        outs = self._fresh(mult, eqn, here)
+        g.prefix = body_prefix(here, eqn)
         if prim == "scan":
             p = eqn.params
             body = p["jaxpr"].jaxpr
@@ -479,7 +493,7 @@ class _Walker:
             body_in = []
             for k, (v, t) in enumerate(zip(body.invars, ins)):
                 bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn, g.call_source),
-                                  mult * length)
+                                  mult * length, f"{g.prefix}in:{k}")
                 if k < nc + nk:
                     g.union(t, bt)
                 elif t is not None and g.tensors[t].rank:
@@ -514,7 +528,8 @@ class _Walker:
                 g.union(bt, t)
                 g.union(t, c)
         elif prim == "cond":
-            for branch in eqn.params["branches"]:
+            for b, branch in enumerate(eqn.params["branches"]):
+                g.prefix = body_prefix(here, eqn, b)
                 branch_out = self._inner(branch.jaxpr, ins[1:], mult, level, i)
                 for bt, t in zip(branch_out, outs):
                     g.union(bt, t)
@@ -546,11 +561,13 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
     each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew)."""
     g = Graph()
     jaxpr = closed_jaxpr.jaxpr
-    ins = [g.new_tensor(v.aval, name, "input", name, 1.0) for v, name in zip(jaxpr.invars, input_names)]
+    ins = [g.new_tensor(v.aval, name, "input", name, 1.0, f"in:{k}")
+           for k, (v, name) in enumerate(zip(jaxpr.invars, input_names))]
     g.inputs = ins
     walker = _Walker(g, rules)
     level = _Level()
-    consts = [g.new_tensor(v.aval, "constant", "input", "closure constant", 1.0) for v in jaxpr.constvars]
+    consts = [g.new_tensor(v.aval, "constant", "input", "closure constant", 1.0, f"const:{k}")
+              for k, v in enumerate(jaxpr.constvars)]
     outs = walker.walk(jaxpr, ins, 1.0, level, const_tids=consts)
     for t in outs:
         if t is not None and g.tensors[t].role == "activation":

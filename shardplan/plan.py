@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan.cost import Spec, to_partition_spec
-from shardplan.errors import PlanMismatchError
+from shardplan.errors import PlanFileError, PlanMismatchError
 from shardplan.mesh import make_jax_mesh
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats
@@ -21,9 +22,13 @@ from shardplan.solver import SolverStats
 
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
-    """One tensor's row: its name (pytree path or Flax name stack), shape, dtype, spec and cost."""
+    """One tensor's row: its name (pytree path or Flax name stack), shape, dtype, spec and cost.
 
-    id: int
+    ``path`` says where the tensor is in the step (:func:`shardplan.graph.eqn_path`): ``"in:3"``
+    for the fourth flat argument, ``"12.scan/3.dot_general:0"`` for a result inside a scan body.
+    """
+
+    path: str
     name: str
     role: str
     shape: tuple[int, ...]
@@ -73,17 +78,21 @@ class Plan:
     inputs: tuple[TensorPlan, ...]
     outputs: tuple[TensorPlan, ...]
     activations: tuple[TensorPlan, ...]
-    dot_operands: dict[int, tuple[Spec, ...]]    # dot output tensor id -> (lhs, rhs, computed result) specs
+    dot_operands: dict[str, tuple[Spec, ...]]    # dot output tensor path -> (lhs, rhs, computed result) specs
     cost: PredictedCost
     solver: SolverStats
     fingerprint: str
     warnings: tuple[str, ...] = ()
-    # (operand tensor id, result tensor id) -> the spec the operand is resharded to before the op
-    operand_pins: dict[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
-    # result tensor id -> the spec its op makes it in (before resharding to its own spec)
-    result_pins: dict[int, Spec] = dataclasses.field(default_factory=dict)
+    # (operand tensor path, result tensor path) -> the spec the operand is resharded to before the op
+    operand_pins: dict[tuple[str, str], Spec] = dataclasses.field(default_factory=dict)
+    # result tensor path -> the spec its op makes it in (before resharding to its own spec)
+    result_pins: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    # "path dtype[shape]" of every tensor of the traced step: what the fingerprint hashes
+    signature: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # str() of the argument and output pytree structures (kept when loaded from JSON)
+    trees: tuple[str, str] = dataclasses.field(default=("", ""), compare=False, repr=False)
     mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
 
     # -- shardings ---------------------------------------------------------------------------------
@@ -98,8 +107,10 @@ class Plan:
     def _tree(self, rows, tree, mesh):
         leaves = self.flat_shardings(rows, mesh)
         if tree is None:
-            raise PlanMismatchError("this plan was loaded from JSON and has no pytree structure; "
-                                    "use plan.input_specs() for (path, PartitionSpec) pairs")
+            raise PlanMismatchError("this plan was loaded from JSON: its pytree structure is known only by "
+                                    "name until it is bound to the step (shardplan.auto(step, plan=...) or "
+                                    "plan.apply(step), then f.make_plan(*args) or a first call); "
+                                    "plan.input_specs() gives (path, PartitionSpec) pairs now")
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     def in_shardings(self, mesh: jax.sharding.Mesh | None = None):
@@ -152,44 +163,180 @@ class Plan:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
-    # -- serialisation ------------------------------------------------------------------------------
-    def to_json(self) -> str:
+    # -- identity and serialisation ------------------------------------------------------------------
+    def digest(self) -> str:
+        """A hash of what the plan makes XLA run: the step's fingerprint, the mesh and every
+        sharding. Timing and solver statistics are not part of it: processes whose solvers took
+        different times but chose the same shardings hold the same plan."""
+        import hashlib
+        data = self._data()
+        body = {k: data[k] for k in ("fingerprint", "axis_names", "axis_sizes", "dot_operands", "operand_pins",
+                                     "result_pins")}
+        body["specs"] = [(r["path"], r["spec"]) for r in data["inputs"] + data["outputs"] + data["activations"]]
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _data(self) -> dict:
         def rows(rs):
             return [dict(dataclasses.asdict(r), spec=[list(a) for a in r.spec], shape=list(r.shape)) for r in rs]
-        data = {
-            "format": "shardplan.plan/1", "mesh_name": self.mesh_name, "axis_names": list(self.axis_names),
-            "axis_sizes": list(self.axis_sizes), "inputs": rows(self.inputs), "outputs": rows(self.outputs),
-            "activations": rows(self.activations),
-            "dot_operands": {str(k): [[list(a) for a in s] for s in v] for k, v in self.dot_operands.items()},
-            "cost": dataclasses.asdict(self.cost), "solver": dataclasses.asdict(self.solver),
-            "fingerprint": self.fingerprint, "warnings": list(self.warnings),
+        solver = dataclasses.asdict(self.solver)
+        solver.pop("wall_time")          # timing is not part of a plan
+        in_tree = str(self.in_tree) if self.in_tree is not None else self.trees[0]
+        out_tree = str(self.out_tree) if self.out_tree is not None else self.trees[1]
+        return {
+            "format": PLAN_FORMAT, "schema": SCHEMA_VERSION, "mesh_name": self.mesh_name,
+            "axis_names": list(self.axis_names), "axis_sizes": list(self.axis_sizes),
+            "in_tree": in_tree, "out_tree": out_tree,
+            "inputs": rows(self.inputs), "outputs": rows(self.outputs), "activations": rows(self.activations),
+            "dot_operands": {k: [[list(a) for a in s] for s in v] for k, v in self.dot_operands.items()},
             "operand_pins": [[a, b, [list(x) for x in s]] for (a, b), s in self.operand_pins.items()],
-            "result_pins": {str(k): [list(x) for x in s] for k, s in self.result_pins.items()}}
-        return json.dumps(data, indent=1)
+            "result_pins": {k: [list(x) for x in s] for k, s in self.result_pins.items()},
+            "cost": dataclasses.asdict(self.cost), "solver": solver,
+            "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings)}
+
+    def to_json(self) -> str:
+        """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
+        the step's signature and fingerprint, and the names of the pytree structures."""
+        return json.dumps(self._data(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        data = json.loads(text)
-        if data.get("format") != "shardplan.plan/1":
-            raise PlanMismatchError(f"not a shardplan plan (format {data.get('format')!r})")
+    def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
+        """Read :meth:`to_json`'s output back. Anything else (truncated, foreign, an older schema,
+        an edit that leaves the plan inconsistent) raises :class:`PlanFileError` naming ``source``."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"{source}: not valid JSON (truncated?): {e.msg} at line {e.lineno} "
+                                f"column {e.colno}") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PlanFileError(f"{source}: not a shardplan plan (format {found!r}, expected {PLAN_FORMAT!r})")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise PlanFileError(f"{source}: plan schema {data.get('schema')!r}, this shardplan reads schema "
+                                f"{SCHEMA_VERSION}: plan the step again")
+        try:
+            plan = cls._from_data(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise PlanFileError(f"{source}: a malformed plan ({what})") from None
+        problem = plan._inconsistency()
+        if problem:
+            raise PlanFileError(f"{source}: {problem} (was the file edited?)")
+        return plan
 
+    @classmethod
+    def _from_data(cls, data: dict) -> Plan:
         def spec(s):
-            return tuple(tuple(a) for a in s)
+            return tuple(tuple(str(a) for a in axes) for axes in s)
 
         def rows(rs):
-            return tuple(TensorPlan(**dict(r, spec=spec(r["spec"]), shape=tuple(r["shape"]))) for r in rs)
+            return tuple(TensorPlan(**dict(r, spec=spec(r["spec"]), shape=tuple(int(n) for n in r["shape"])))
+                         for r in rs)
         return cls(
             mesh_name=data["mesh_name"], axis_names=tuple(data["axis_names"]),
-            axis_sizes=tuple(data["axis_sizes"]), inputs=rows(data["inputs"]), outputs=rows(data["outputs"]),
-            activations=rows(data["activations"]),
-            dot_operands={int(k): tuple(spec(x) for x in v) for k, v in data["dot_operands"].items()},
-            cost=PredictedCost(**data["cost"]), solver=SolverStats(**data["solver"]),
-            fingerprint=data["fingerprint"], warnings=tuple(data["warnings"]),
-            operand_pins={(a, b): spec(s) for a, b, s in data.get("operand_pins", [])},
-            result_pins={int(k): spec(s) for k, s in data.get("result_pins", {}).items()})
+            axis_sizes=tuple(int(n) for n in data["axis_sizes"]), inputs=rows(data["inputs"]),
+            outputs=rows(data["outputs"]), activations=rows(data["activations"]),
+            dot_operands={str(k): tuple(spec(x) for x in v) for k, v in data["dot_operands"].items()},
+            cost=PredictedCost(**data["cost"]), solver=SolverStats(**data["solver"], wall_time=0.0),
+            fingerprint=data["fingerprint"], signature=tuple(data["signature"]),
+            warnings=tuple(data["warnings"]),
+            operand_pins={(a, b): spec(s) for a, b, s in data["operand_pins"]},
+            result_pins={str(k): spec(s) for k, s in data["result_pins"].items()},
+            trees=(str(data["in_tree"]), str(data["out_tree"])))
 
-    def specs_by_tensor(self) -> dict[int, Spec]:
-        return {r.id: r.spec for r in (*self.inputs, *self.outputs, *self.activations)}
+    def _inconsistency(self) -> str:
+        """What makes a loaded plan unusable, or ``""``."""
+        if fingerprint(list(self.signature)) != self.fingerprint:
+            return "its signature does not hash to its fingerprint"
+        if len(self.axis_names) != len(self.axis_sizes) or any(n < 1 for n in self.axis_sizes):
+            return f"mesh axes {self.axis_names} do not match sizes {self.axis_sizes}"
+        known = set(self.axis_names)
+        specs = [(r.name, r.shape, r.spec) for r in (*self.inputs, *self.outputs, *self.activations) if r.path]
+        specs += [(f"dot {k}", None, s) for k, v in self.dot_operands.items() for s in v]
+        specs += [(f"pin {k}", None, s) for k, s in self.result_pins.items()]
+        for name, shape, spec in specs:
+            used = [a for axes in spec for a in axes]
+            if set(used) - known:
+                return f"{name}: PartitionSpec uses mesh axis {sorted(set(used) - known)[0]!r}, not one of " \
+                       f"{list(self.axis_names)}"
+            if len(used) != len(set(used)):
+                return f"{name}: a mesh axis appears twice in its PartitionSpec {spec}"
+            if shape is not None and len(spec) != len(shape):
+                return f"{name}: PartitionSpec {spec} has {len(spec)} entries for a rank-{len(shape)} tensor"
+        return ""
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_json` to ``path`` atomically (a reader never sees half a file). Under
+        ``jax.distributed`` only process 0 writes."""
+        import os
+        import tempfile
+        if jax.process_index() != 0:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".shardplan-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        """Read a plan file written by :meth:`save`; :class:`PlanFileError` names the file and what is wrong."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise PlanFileError(f"{path}: cannot read the plan file ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise PlanFileError(f"{path}: not a text file, so not a shardplan plan") from None
+        return cls.from_json(text, source=path)
+
+    def apply(self, fn, **kwargs):
+        """``fn`` compiled under this plan, without solving: ``shardplan.auto(fn, plan=self, **kwargs)``.
+        The first call (or ``make_plan``) traces ``fn`` and checks that it is the step this plan
+        was made for (:class:`PlanMismatchError` names the first difference)."""
+        from shardplan.api import auto
+        return auto(fn, plan=self, **kwargs)
+
+    def specs_by_tensor(self) -> dict[str, Spec]:
+        """Tensor path -> spec, for every tensor the plan names."""
+        return {r.path: r.spec for r in (*self.inputs, *self.outputs, *self.activations) if r.path}
+
+    def mismatch(self, signature: Sequence[str], input_names: Sequence[str], in_tree: str) -> str:
+        """What differs between this plan and a traced step (its :data:`signature`, flat input
+        names and argument structure), or ``""`` if nothing does."""
+        names = [r.name for r in self.inputs]
+        if list(input_names) != names:
+            for k, (a, b) in enumerate(zip(names, input_names)):
+                if a != b:
+                    return f"input {k} is {b} in the step, {a} in the plan"
+            return f"the step has {len(input_names)} input leaves, the plan {len(names)}"
+        tree = self.trees[0] if self.in_tree is None else str(self.in_tree)
+        if tree and in_tree and tree != in_tree:
+            return f"the arguments' pytree structure differs: {in_tree} in the step, {tree} in the plan"
+        if fingerprint(list(signature)) == self.fingerprint:
+            return ""
+        by_input = {f"in:{k}": n for k, n in enumerate(names)}
+        for a, b in zip(self.signature, signature):
+            if a != b:
+                pa, pb = a.split(" ")[0], b.split(" ")[0]
+                where = f"input {by_input[pa]}" if pa == pb and pa in by_input else f"equation {pb}"
+                if pa != pb:
+                    return f"{where}: the step has {b}, the plan {a} there (the computation differs)"
+                return f"{where} is {b.split(' ', 1)[1]} in the step, {a.split(' ', 1)[1]} in the plan"
+        return f"the step has {len(signature)} tensors, the plan {len(self.signature)}"
+
+
+PLAN_FORMAT = "shardplan.plan"
+SCHEMA_VERSION = 2
+
+
+def signature(graph) -> tuple[str, ...]:
+    """``"path dtype[shape]"`` of every tensor of a graph: what a plan's fingerprint hashes."""
+    return tuple(f"{t.path} {t.dtype.name}{list(t.shape)}" for t in graph.tensors)
 
 
 def fingerprint(shapes: list[tuple[tuple[int, ...], str]]) -> str:

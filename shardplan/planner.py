@@ -14,7 +14,7 @@ from shardplan.errors import InfeasibleBudgetError
 from shardplan.exact import solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph, build_graph
 from shardplan.mesh import MeshSpec
-from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint
+from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint, signature
 from shardplan.progress import Status
 from shardplan.rules import apply_rule
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
@@ -49,7 +49,7 @@ def role_of(path: str, arg: int | str) -> str:
 
 
 def graph_fingerprint(g: Graph) -> str:
-    return fingerprint([(t.shape, t.dtype.name) for t in g.tensors])
+    return fingerprint(list(signature(g)))
 
 
 def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[int], mesh: MeshSpec,
@@ -235,9 +235,9 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         if e.required is not None:
             comms, pin, made = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
             if pin is not None:
-                operand_pins[(e.src, e.dst)] = pin
+                operand_pins[(graph.tensors[e.src].path, graph.tensors[e.dst].path)] = pin
             if made is not None:
-                result_pins[e.dst] = made
+                result_pins[graph.tensors[e.dst].path] = made
         else:
             comms = enum.edge_comms(e, spec_of[e.src], spec_of[e.dst])
         account(comms, e.mult, e.dst)
@@ -253,7 +253,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
         # The result spec the strategy computes, reduced as priced (before any resharding to the
         # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
-        dot_operands[dot.out] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
+        dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
     for t in graph.tensors:
         if t.id in enum.traffic and t.rank:
             s = t.mult * enum.traffic[t.id] * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \
@@ -263,7 +263,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
 
     def row(tid, role, name=None):
         t = graph.tensors[tid]
-        return TensorPlan(tid, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
+        return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
                           model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
 
     inputs = tuple(row(t, role_of(graph.tensors[t].name, a)) for t, a in zip(graph.inputs, input_args))
@@ -272,7 +272,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         by_role[r.role] = by_role.get(r.role, 0.0) + r.bytes_per_device
     out_names = list(out_names) if out_names is not None else [f"out{i}" for i in range(len(graph.outputs))]
     outputs = tuple(row(t, "output", out_names[i]) if t is not None else
-                    TensorPlan(-1, out_names[i], "output", (), "float32", (), 0.0, 0.0)
+                    TensorPlan("", out_names[i], "output", (), "float32", (), 0.0, 0.0)
                     for i, t in enumerate(graph.outputs))
     seen = set(graph.inputs) | {t for t in graph.outputs if t is not None}
     acts = tuple(row(t.id, "activation", f"{t.name} @ {_short(t.source)}" if _short(t.source) else t.name)
@@ -284,7 +284,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
                 result_pins=result_pins,
                 cost=cost, solver=stats,
-                fingerprint=graph_fingerprint(graph), warnings=tuple(graph.warnings),
+                fingerprint=graph_fingerprint(graph), signature=signature(graph), warnings=tuple(graph.warnings),
                 in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)
 
 

@@ -56,7 +56,6 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         dims += [(d, None, k + i) for i, d in enumerate(lfree)]
         dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
         dims += [(l, r, None) for l, r in zip(lc, rc)]
-        g.dot_at[id(eqn)] = len(g.dots)
         g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source)))
         return
 
@@ -224,7 +223,6 @@ def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
         fixed.add(len(dims))
         dims.append((None, rhs_spec[2 + i], None))
         sizes.append(rshape[rhs_spec[2 + i]])
-    g.dot_at[id(eqn)] = len(g.dots)
     g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source), frozenset(fixed), tuple(sizes)))
 
 
