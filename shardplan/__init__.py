@@ -19,14 +19,15 @@ if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and \
     __path__.append(_checkout)
 
 from shardplan.api import AutoFunction, auto, plan, search_mesh
-from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanMismatchError,
-                              ShardplanError)
+from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanFileError,
+                              PlanMismatchError, ShardplanError)
 from shardplan.mesh import MeshSpec, load_mesh, preset_names
+from shardplan.multihost import global_batch, local_rows
 from shardplan.plan import Plan, PredictedCost, TensorPlan
 from shardplan.sizes import parse_bytes
 
 __all__ = [
     "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "Plan",
-    "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan", "auto", "load_mesh", "parse_bytes",
-    "plan", "preset_names", "search_mesh",
+    "PlanFileError", "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan", "auto", "global_batch",
+    "load_mesh", "local_rows", "parse_bytes", "plan", "preset_names", "search_mesh",
 ]

@@ -15,9 +15,9 @@ import jax
 
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
-from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
+from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.graph import build_graph
-from shardplan.multihost import check_same_plan, share_plan
+from shardplan.multihost import check_given_plan, share_plan
 from shardplan.hardware import spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh
 from shardplan.plan import Plan
@@ -111,8 +111,18 @@ class _Compiled:
         numpy arrays become arrays as jit would make them (a ``TrainState``'s ``step=0`` then has
         the same signature as the step's own output, so the second call does not recompile)."""
         out = []
-        for x, sh in zip(leaves, self.in_shardings):
+        many = jax.process_count() > 1
+        for k, (x, sh) in enumerate(zip(leaves, self.in_shardings)):
             if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(sh, x.ndim):
+                if many and not sh.is_fully_replicated and not (isinstance(x, jax.Array)
+                                                               and not x.is_fully_addressable):
+                    # Each process would pass its own data as the whole array: a wrong result, no error.
+                    raise ShardplanError(
+                        f"argument leaf {self.traced.names[k]} is a process-local value, but the plan shards it "
+                        f"({sh.spec}) across processes: build the global array from each process's share "
+                        "with shardplan.global_batch(f.plan, local_batch, arg=...) (or "
+                        "jax.make_array_from_process_local_data), or jit the initialisation with "
+                        "out_shardings=f.plan.in_shardings()[...]")
                 x = jax.device_put(x, sh)
             out.append(x)
         return out
@@ -158,12 +168,12 @@ class AutoFunction:
         if key not in self._cache:
             traced = trace_step(self.fn, args, kwargs, self.call)
             if self.given is not None:
+                check_given_plan(self.given)
                 plan, graph = bind_plan(self.given, traced, self._source)
             else:
                 plan, graph = share_plan(lambda: _plan_traced(traced, self.mesh_spec, self.budget, self.options,
                                                               self.cache),
                                          lambda p: bind_plan(p, traced, "the plan from process 0"))
-            check_same_plan(plan)
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
         self._last = self._cache[key]
