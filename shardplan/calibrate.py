@@ -10,6 +10,12 @@
 
 The result is a :class:`MeshSpec` on the hardware description of a base preset (memory size,
 topology), with the measured figures and a ``[calibration]`` table saying how they were taken.
+
+Under ``jax.distributed`` every process runs it: each times its own local device, the
+collectives run over the global mesh (so an axis whose devices sit on several processes is
+measured on the link between them, and a node is one process's devices), and the figures are
+agreed: the slowest process's compute and memory figures, the slowest process's collective
+times. Every process returns the same :class:`MeshSpec`; only process 0 should write it.
 """
 
 from __future__ import annotations
@@ -60,17 +66,20 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = jax.devices()
+    many = jax.process_count() > 1
     spec = base if isinstance(base, MeshSpec) else load_mesh(base)
+    if many:        # a node is one process's devices: axes that cross processes ride the inter-node link
+        spec = dataclasses.replace(spec, devices_per_node=jax.local_device_count())
     axes = dict(axes) if axes else dict(zip(spec.axis_names, spec.axis_sizes))
     if int(np.prod(list(axes.values()))) != len(devices):
         axes = {"data": len(devices)} if len(devices) > 1 else {}
-    if axes and int(np.prod(list(axes.values()))) != spec.num_devices:
+    if axes and int(np.prod(list(axes.values()))) != spec.num_devices and not many:
         nodes = max(1, len(devices) // spec.devices_per_node)
         per_node = len(devices) // nodes
         spec = dataclasses.replace(spec, devices_per_node=per_node)
     steps = len(dtypes) * len(matmul_sizes) + 1 + len(axes) * len(collective_bytes)
-    bar = Progress(steps, "calibrate") if progress else None
-    dev = devices[0]
+    bar = Progress(steps, "calibrate") if progress and jax.process_index() == 0 else None
+    dev = jax.local_devices()[0]       # this process's own device (jax.devices()[0] is process 0's)
 
     peak = {}
     for dtype in dtypes:
@@ -81,12 +90,12 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
             best = max(best, 2 * n ** 3 / _best_time(lambda: f(x), repeats))
             if bar:
                 bar.step(f"matmul {dtype} {n}x{n}")
-        peak[dtype] = best
+        peak[dtype] = _agreed(best, min)
 
     elems = copy_bytes // 4
     x = jax.device_put(jnp.ones((elems,), jnp.float32), dev)
     g = jax.jit(lambda a: a * 1.0001 + 1.0)
-    hbm_bandwidth = 2 * copy_bytes / _best_time(lambda: g(x), repeats)     # read + write
+    hbm_bandwidth = _agreed(2 * copy_bytes / _best_time(lambda: g(x), repeats), min)     # read + write
     if bar:
         bar.step(f"memory pass {copy_bytes >> 20} MiB")
 
@@ -103,16 +112,19 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
             times = []
             for nbytes in collective_bytes:
                 per_device = max(1, nbytes // 4)
-                arr = jax.device_put(jnp.ones((len(devices) * per_device,), jnp.float32),
-                                     NamedSharding(mesh, P(tuple(axes))))
+                ones = np.ones((len(devices) * per_device,), np.float32)
+                arr = jax.make_array_from_callback(ones.shape, NamedSharding(mesh, P(tuple(axes))),
+                                                   lambda index: ones[index])
                 f = jax.jit(jax.shard_map(lambda a, axis=axis: jax.lax.psum(a, axis), mesh=mesh,
                                           in_specs=P(tuple(axes)), out_specs=P(tuple(axes))))
-                times.append(_best_time(lambda: f(arr), repeats))
+                times.append(_agreed(_best_time(lambda: f(arr), repeats), max))
                 if bar:
                     bar.step(f"all-reduce over {axis} {nbytes >> 10} KiB")
             bw, lat = fit_ring(np.array([max(1, b // 4) * 4 for b in collective_bytes]), np.array(times), size)
             measured[axis] = Link(f"measured-{axis}", bw, lat)
             fits[f"{axis}_seconds"] = ", ".join(f"{b}B:{t:.3e}" for b, t in zip(collective_bytes, times))
+        if many:
+            fits["axes_across_processes"] = ", ".join(_across_processes(mesh)) or "none"
 
     device = Device(name=str(getattr(dev, "device_kind", dev.platform)),
                     peak_flops={k: float(v) for k, v in peak.items()},
@@ -127,6 +139,28 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
                                                   for a in out.axes))
     out = dataclasses.replace(out, calibration={
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "platform": dev.platform, "devices": len(devices), "jax_version": jax.__version__,
+        "platform": dev.platform, "devices": len(devices), "processes": jax.process_count(),
+        "jax_version": jax.__version__,
         "matmul_sizes": ", ".join(map(str, matmul_sizes)), "repeats": repeats, **fits})
+    return out
+
+
+def _agreed(value: float, pick) -> float:
+    """One figure for every process: ``pick`` (``min`` or ``max``) of what each measured."""
+    import jax
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+    every = np.asarray(multihost_utils.process_allgather(np.array([value], dtype=np.float64)))
+    return float(pick(every.ravel()))
+
+
+def _across_processes(mesh) -> list[str]:
+    """The mesh axes along which devices belong to more than one process."""
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    out = []
+    for k, name in enumerate(mesh.axis_names):
+        moved = np.moveaxis(procs, k, 0)
+        if (moved != moved[:1]).any():
+            out.append(name)
     return out

@@ -246,11 +246,20 @@ def _cmd_mesh(args, extra: list[str]) -> int:
 
 def _mesh_calibrate(args) -> int:
     _fake_cpu_devices(args.cpu_devices)      # CPU: fake devices to measure collectives on
+    import jax
     from shardplan.calibrate import calibrate
     from shardplan.mesh import write_mesh
+    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together: give all three "
+                         "(e.g. --coordinator host0:1234 --num-processes 2 --process-id 0), or none")
+    if all(given):
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     quick = dict(matmul_sizes=(128, 256), copy_bytes=8 * 2**20, collective_bytes=(2**12, 2**16, 2**20), repeats=2) \
         if args.quick else {}
     spec = calibrate(base=args.base, axes=_parse_axes(args.axes), name=args.name, **quick)
+    if jax.process_index() != 0:       # every process measured; process 0 writes and says so
+        return 0
     write_mesh(spec, args.out)
     flops = ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in spec.device.peak_flops.items())
     print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}; {flops}; memory "
@@ -364,6 +373,12 @@ def _main(argv: list[str]) -> int:
     cal.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, noisier)")
     cal.add_argument("--cpu-devices", type=_int_at_least(1, "--cpu-devices 8"), default=8,
                      help="fake CPU devices when XLA_FLAGS sets none")
+    cal.add_argument("--coordinator", default=None,
+                     help="multi-host: HOST:PORT of process 0 (jax.distributed); run the same command on every host")
+    cal.add_argument("--num-processes", type=_int_at_least(1, "--num-processes 2"), default=None,
+                     help="multi-host: how many processes")
+    cal.add_argument("--process-id", type=_int_at_least(0, "--process-id 0"), default=None,
+                     help="multi-host: this process's index (0 writes the file)")
     args, extra = parser.parse_known_args(argv)
     if extra and not (args.cmd == "mesh" and args.mesh_cmd == "new"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

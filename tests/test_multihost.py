@@ -82,3 +82,34 @@ def test_different_plans_on_two_processes_fail_fast(single, tmp_path):
     for r in results:
         assert "plans differ between processes" in r.get("error", ""), r
     assert wall < 60
+
+
+def test_calibration_under_two_processes_writes_one_file_from_process_0(tmp_path):
+    """Each process times its own device; the axis across processes is measured between them."""
+    import tomllib
+    port = _port()
+    out = tmp_path / "calibrated.toml"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = [subprocess.Popen([sys.executable, "-m", "shardplan.cli", "mesh", "calibrate", "--quick", "--out", str(out),
+                               "--axes", "data=2,model=4", "--cpu-devices", "4", "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    runs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, runs):
+        assert p.returncode == 0, err[-3000:]
+    assert "wrote" in runs[0][1] and "wrote" not in runs[1][1]          # process 0 writes and says so
+    assert sorted(os.listdir(tmp_path)) == ["calibrated.toml"]          # one file, nothing half-written
+    data = tomllib.loads(out.read_text())
+    cal = data["calibration"]
+    assert cal["processes"] == 2 and cal["devices"] == 8
+    assert cal["axes_across_processes"] == "data"
+    assert data["topology"]["devices_per_node"] == 4 and data["topology"]["nodes"] == 2
+    spec = shardplan.load_mesh(str(out))
+    assert spec.num_devices == 8
+    # Both axes carry their own measured figures (the fit of their all-reduce times), data's over
+    # the link between the two processes.
+    for axis in spec.axes:
+        raw = next(a for a in data["axes"] if a["name"] == axis.name)
+        assert axis.link.bandwidth == raw["bandwidth"] > 0 and axis.link.latency == raw["latency"] >= 0
+        assert f"{axis.name}_seconds" in cal
