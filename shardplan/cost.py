@@ -273,7 +273,8 @@ class CostModel:
     # shape by scaling its bandwidth part. The ILP's tables ask hundreds of thousands of such
     # questions of a few thousand distinct spec pairs.
     def _unit(self, produced: Spec, partial: tuple[str, ...], dst: Spec, groups, odd: tuple[int, ...] | None):
-        """``(divisors, reduction latency, other latency, bandwidth seconds on the canonical shape)``.
+        """``(divisors, reduction latency, other latency, bandwidth seconds on the canonical shape,
+        the collectives on the canonical shape with their latency and bandwidth seconds)``.
 
         ``divisors[d]`` is how many shards dimension ``d`` is split in by the specs together;
         ``odd[d]`` is the size of a dimension that divisor does not divide (0 where it does;
@@ -296,6 +297,7 @@ class CostModel:
             comms = self._reduce_partial(shape, 1, produced, partial, dst, groups) if partial else \
                 self._reshard(shape, 1, produced, dst)
             lat_reduce = lat_other = bandwidth = 0.0
+            items = []
             for c in comms:
                 latency = self.latency_time(c)
                 if c.kind in (ALL_REDUCE, REDUCE_SCATTER):
@@ -303,7 +305,8 @@ class CostModel:
                 else:
                     lat_other += latency
                 bandwidth += self.collective_time(c) - latency
-            unit = self._memo[key] = (divs, lat_reduce, lat_other, bandwidth)
+                items.append((c, latency, self.collective_time(c) - latency))
+            unit = self._memo[key] = (divs, lat_reduce, lat_other, bandwidth, tuple(items))
         return unit
 
     def reduce_table(self, shape: Sequence[int], itemsize: int, rows: Sequence[tuple], cols: Sequence[Spec],
@@ -332,7 +335,7 @@ class CostModel:
                         unit = pairs[(ri, ci)] = self._unit(r[0], r[1], c, r[2], None)
                     flat.append(unit)
             divs = np.array([u[0] for u in flat], dtype=np.int64).reshape(len(rows), len(cols), len(shape))
-            values = np.array([u[1:] for u in flat], dtype=float).reshape(len(rows), len(cols), 3)
+            values = np.array([u[1:4] for u in flat], dtype=float).reshape(len(rows), len(cols), 3)
             units = self._memo[key] = (divs, values)
         divs, values = units
         even = dims % divs == 0                                     # [rows, cols, dims]
@@ -347,7 +350,7 @@ class CostModel:
                 for i, j in zip(*np.nonzero(~even.all(axis=-1))):
                     odd = tuple(int(n) if not e else 0 for n, e in zip(shape, even[i, j]))
                     p, part, grp = rows[i]
-                    values[i, j] = self._unit(p, part, cols[j], grp, odd)[1:]
+                    values[i, j] = self._unit(p, part, cols[j], grp, odd)[1:4]
                 fixed = self._memo[odd_key] = values
             values = fixed
         scale = itemsize * np.where(even, dims // divs, 1).prod(axis=-1)
@@ -358,14 +361,27 @@ class CostModel:
         """``[len(srcs), len(dsts)]`` seconds of :meth:`reshard`'s collectives."""
         return self.reduce_table(shape, itemsize, [(s, (), None) for s in srcs], dsts)
 
-    def reduce_seconds(self, shape: Sequence[int], itemsize: int, produced: Spec, partial: Sequence[str],
-                       dst: Spec, groups: Sequence[Sequence[str]] | None = None, share: int = 1) -> float:
-        """One cell of :meth:`reduce_table`."""
-        return float(self.reduce_table(shape, itemsize, [(produced, partial, groups)], [dst], share)[0, 0])
+    def reduce_items(self, shape: Sequence[int], itemsize: int, produced: Spec, partial: Sequence[str],
+                     dst: Spec, groups: Sequence[Sequence[str]] | None = None, share: int = 1) \
+            -> list[tuple[Comm, float]]:
+        """The collectives of one cell of :meth:`reduce_table`, each with its seconds (they sum to
+        the cell): the itemised cost of a chosen plan comes from the units that priced the ILP."""
+        if itemsize * math.prod(shape) <= 0:
+            return []
+        partial = tuple(partial)
+        groups = None if groups is None else tuple(map(tuple, groups))
+        divs = self._unit(produced, partial, dst, groups, None)[0]
+        even = [n % d == 0 for n, d in zip(shape, divs)]
+        odd = None if all(even) else tuple(0 if e else int(n) for n, e in zip(shape, even))
+        items = self._unit(produced, partial, dst, groups, odd)[4]
+        scale = itemsize * math.prod(n // d for n, d, e in zip(shape, divs, even) if e)
+        return [(Comm(c.kind, c.axes, c.nbytes * scale),
+                 latency / (share if c.kind in (ALL_REDUCE, REDUCE_SCATTER) else 1) + seconds * scale)
+                for c, latency, seconds in items]
 
-    def reshard_seconds(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> float:
-        """One cell of :meth:`reshard_table`."""
-        return 0.0 if src == dst else self.reduce_seconds(shape, itemsize, src, (), dst)
+    def reshard_items(self, shape: Sequence[int], itemsize: int, src: Spec, dst: Spec) -> list[tuple[Comm, float]]:
+        """The collectives of one cell of :meth:`reshard_table`, each with its seconds."""
+        return [] if src == dst else self.reduce_items(shape, itemsize, src, (), dst)
 
     # -- compute ------------------------------------------------------------------------------
     def compute_time(self, flops: float, nbytes: float, dtype_name: str = "float32") -> float:

@@ -256,8 +256,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
     for t in graph.tensors:
         if t.id in enum.traffic and t.rank:
-            s = t.mult * enum.traffic[t.id] * model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]) \
-                / mesh.device.hbm_bandwidth
+            s = enum.hbm_seconds(t.id, model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]))
             compute += s
             cost_of[t.id] += s
 

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from shardplan.cost import ALL_REDUCE, REDUCE_SCATTER, Comm, CostModel, Spec
+from shardplan.cost import Comm, CostModel, Spec
 from shardplan.graph import Graph
 
 
@@ -190,14 +190,15 @@ class Enumerator:
         """For an edge with ``required``: its collectives, the spec its operand is resharded to
         before the op, and the spec the op makes its result in before that is resharded (each
         ``None`` where nothing moves). The operand moves unless the op can run on it in place
-        (``passthrough``) and resharding its result instead is cheaper."""
+        (``passthrough``) and resharding its result instead is cheaper (the table takes the
+        cheaper of the two the same way)."""
         t = self.g.tensors[edge.src]
         need = edge.required(dst_spec)
-        comms = self.priced(self.m.reshard(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
+        comms = self.scaled(self.m.reshard_items(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
         made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
         if comms and made is not None:
             out = self.g.tensors[edge.dst]
-            other = self.priced(self.m.reshard(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
+            other = self.scaled(self.m.reshard_items(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
             if sum(sec for _, sec in other) < sum(sec for _, sec in comms):
                 return other, None, made
         return comms, (need if comms else None), None
@@ -208,6 +209,7 @@ class Enumerator:
             return self.operand_reshard(edge, src_spec, dst_spec)[0]
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
+        m, share = self.m, self.combined.get(edge.dst, 1)
         if edge.primitive.startswith("scatter") and partial:
             # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
             # not turn them into a reduce-scatter. Dimensions the target shards and the updates
@@ -219,29 +221,15 @@ class Enumerator:
                 used.update(extra)
                 sliced.append(have or extra)
             sliced = tuple(sliced)
-            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, sliced, partial, sliced) + \
-                self.m.reshard(t.shape, t.dtype.itemsize, sliced, dst_spec)
+            items = m.reduce_items(t.shape, t.dtype.itemsize, sliced, partial, sliced, share=share) + \
+                m.reshard_items(t.shape, t.dtype.itemsize, sliced, dst_spec)
         else:
-            comms = self.m.reduce_partial(t.shape, t.dtype.itemsize, produced, partial, dst_spec)
-        return self.priced(comms, edge.mult, reduces=edge.dst)
+            items = m.reduce_items(t.shape, t.dtype.itemsize, produced, partial, dst_spec, share=share)
+        return self.scaled(items, edge.mult)
 
     def edge_seconds(self, edge, src_spec: Spec, dst_spec: Spec) -> float:
-        """Seconds per step of :meth:`edge_comms` (the same prices, without listing the collectives)."""
-        m, mult = self.m, edge.mult
-        if edge.required is not None:
-            t = self.g.tensors[edge.src]
-            seconds = m.reshard_seconds(t.shape, t.dtype.itemsize, src_spec, edge.required(dst_spec))
-            made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
-            if seconds and made is not None:
-                out = self.g.tensors[edge.dst]
-                seconds = min(seconds, m.reshard_seconds(out.shape, out.dtype.itemsize, made, dst_spec))
-            return mult * seconds
-        produced, partial = edge.produced(src_spec)
-        if edge.primitive.startswith("scatter") and partial:
-            return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
-        t = self.g.tensors[edge.dst]
-        return mult * m.reduce_seconds(t.shape, t.dtype.itemsize, produced, partial, dst_spec,
-                                       share=self.combined.get(edge.dst, 1))
+        """Seconds per step of :meth:`edge_comms`."""
+        return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
@@ -249,11 +237,17 @@ class Enumerator:
         out = []
         for tid, have, need in ((dot.lhs, lhs_spec, req_l), (dot.rhs, rhs_spec, req_r)):
             t = self.g.tensors[tid]
-            out += self.priced(self.m.reshard(t.shape, t.dtype.itemsize, have, need), dot.mult)
+            out += self.m.reshard_items(t.shape, t.dtype.itemsize, have, need)
         t = self.g.tensors[dot.out]
         groups = self.partial_groups(dot, option)
-        return out + self.priced(self.m.reduce_partial(t.shape, t.dtype.itemsize, prod, partial, out_spec, groups),
-                                 dot.mult, reduces=dot.out)
+        out += self.m.reduce_items(t.shape, t.dtype.itemsize, prod, partial, out_spec, groups,
+                                   self.combined.get(dot.out, 1))
+        return self.scaled(out, dot.mult)
+
+    @staticmethod
+    def scaled(items: list[tuple[Comm, float]], mult: float) -> list[tuple[Comm, float]]:
+        """Collectives issued ``mult`` times a step: their seconds per step."""
+        return [(c, mult * sec) for c, sec in items]
 
     def combined_reductions(self) -> dict[int, int]:
         """Partial sums XLA reduces in one combined collective per loop trip -> how many share it.
@@ -273,22 +267,10 @@ class Enumerator:
             per_loop[g.loop_of[t]] = per_loop.get(g.loop_of[t], 0) + 1
         return {t: per_loop[g.loop_of[t]] for t in members}
 
-    def priced(self, comms: list[Comm], mult: float, reduces: int | None = None) -> list[tuple[Comm, float]]:
-        """Seconds per step of ``comms`` issued ``mult`` times a step.
-
-        ``reduces`` names the tensor whose partial sum they reduce: when that reduction is merged
-        with others (see :meth:`combined_reductions`), it pays only its share of the latency.
-        """
-        k = self.combined.get(reduces, 1) if reduces is not None else 1
-        # Only the reduction itself is merged; resharding its result afterwards (an all-gather,
-        # say) is a collective of its own.
-        out = []
-        for c in comms:
-            seconds = self.m.collective_time(c)
-            if c.kind in (ALL_REDUCE, REDUCE_SCATTER):
-                seconds -= (1 - 1 / k) * self.m.latency_time(c)
-            out.append((c, mult * seconds))
-        return out
+    def hbm_seconds(self, tid: int, per_device_bytes):
+        """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
+        and writes, :func:`hbm_traffic`; nothing for one fused away)."""
+        return self.g.tensors[tid].mult * self.traffic.get(tid, 0) * per_device_bytes / self.m.mesh.device.hbm_bandwidth
 
     def dot_compute(self, dot, option) -> float:
         req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
@@ -340,8 +322,7 @@ class Enumerator:
                 spec_of[t] = specs
                 ts = g.tensors[t]
                 per_dev = np.array([self._bytes(t, s) for s in specs])
-                if t in self.traffic:
-                    cost += ts.mult * self.traffic[t] * per_dev / self.m.mesh.device.hbm_bandwidth
+                cost += self.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += per_dev * heap
                 if t in always:
@@ -403,7 +384,7 @@ class Enumerator:
                 cells = self.m.reduce_table(dst.shape, dst.dtype.itemsize, made, dsts,
                                             self.combined.get(e.dst, 1))[m_index]
                 table = e.mult * cells[np.ix_(h_index, d_index)]
-            else:
+            else:       # a scatter's partial sums (rare): priced cell by cell
                 haves, h_index = _distinct(spec_of[e.src])
                 dsts, d_index = _distinct(spec_of[e.dst])
                 cells = np.array([[self.edge_seconds(e, have, d) for d in dsts] for have in haves])

@@ -199,3 +199,7 @@ def test_tables_price_what_the_collectives_cost(shape):
                                                     if c.kind in (ALL_REDUCE, REDUCE_SCATTER) else 0.0)
                             for c in m.reduce_partial(shape, 2, produced, partial, dst))
                 assert cell == pytest.approx(exact, rel=1e-9, abs=1e-15), (produced, partial, dst)
+                # The itemised collectives of a chosen plan come from the same units.
+                items = m.reduce_items(shape, 2, produced, partial, dst, share=share)
+                assert sum(sec for _, sec in items) == pytest.approx(cell, rel=1e-12, abs=1e-15)
+                assert [c for c, _ in items] == m.reduce_partial(shape, 2, produced, partial, dst)

@@ -99,6 +99,8 @@ def test_plan_round_trips_and_explains():
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
     p = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=2)
     q = shardplan.Plan.from_json(p.to_json())
+    # One pricer: the itemised cost of the plan is the ILP's objective for it.
+    assert p.cost.step_s == pytest.approx(p.solver.objective, rel=1e-9)
     assert q.input_specs() == p.input_specs() and q.cost == p.cost
     assert q.solver == dataclasses.replace(p.solver, wall_time=0.0)     # timing is not part of a plan
     assert q.digest() == p.digest() and q.to_json() == p.to_json()
