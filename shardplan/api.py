@@ -16,7 +16,7 @@ import jax
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
-from shardplan.graph import build_graph
+from shardplan.walk import build_graph
 from shardplan.multihost import check_given_plan, share_plan
 from shardplan.hardware import spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh
@@ -98,7 +98,7 @@ class _Compiled:
     def __init__(self, traced: TracedStep, plan: Plan, graph, mesh: jax.sharding.Mesh, jit_kwargs: dict):
         self.traced, self.plan, self.mesh = traced, plan, mesh
         run = constrained_function(traced.closed, graph, plan.specs_by_tensor(), plan.dot_operands, mesh,
-                                   plan.operand_pins, plan.result_pins)
+                                   plan.operand_pins, plan.result_pins, plan.rewrites)
         self.in_shardings = Plan.flat_shardings(plan.inputs, mesh)
         out_sh = Plan.flat_shardings(plan.outputs, mesh)
         flat_donate = tuple(i for i, d in enumerate(traced.donated) if d)

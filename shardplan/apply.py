@@ -17,7 +17,9 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from shardplan.cost import Spec, to_partition_spec
-from shardplan.graph import CALL_PRIMITIVES, Graph, body_prefix, eqn_path, sub_jaxpr
+from shardplan.graph import Graph
+from shardplan.rewrites import emit
+from shardplan.walk import CALL_PRIMITIVES, body_prefix, eqn_path, sub_jaxpr
 
 _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
@@ -25,8 +27,9 @@ _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 class _Emitter:
     def __init__(self, graph: Graph, specs: dict[str, Spec], dot_operands: dict[str, tuple[Spec, ...]],
                  mesh: jax.sharding.Mesh, operand_pins: dict[tuple[str, str], Spec] | None = None,
-                 result_pins: dict[str, Spec] | None = None):
+                 result_pins: dict[str, Spec] | None = None, rewrites: dict[str, dict] | None = None):
         self.g = graph
+        self.rewrites = rewrites or {}
         self.specs = specs
         self.dot_operands = dot_operands
         self.mesh = mesh
@@ -60,6 +63,10 @@ class _Emitter:
             prim, params = eqn.primitive, dict(eqn.params)
             name = prim.name
             here = eqn_path(prefix, position, eqn)
+            if f"{here}:0" in self.rewrites:      # another computation of this op (shardplan.rewrites)
+                params = self.rewrites[f"{here}:0"]
+                self._store(env, eqn, here, emit(params["kind"], eqn, ins, self.mesh, params))
+                continue
             computed = None
             if name in ("dot_general", "conv_general_dilated"):
                 if f"{here}:0" in self.dot_operands:
@@ -123,9 +130,11 @@ class _Emitter:
 def constrained_function(closed_jaxpr, graph: Graph, specs: dict[str, Spec],
                          dot_operands: dict[str, tuple[Spec, ...]], mesh: jax.sharding.Mesh,
                          operand_pins: dict[tuple[str, str], Spec] | None = None,
-                         result_pins: dict[str, Spec] | None = None) -> Callable:
-    """A function of the flat inputs that computes the jaxpr under the plan's constraints."""
-    emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins, result_pins)
+                         result_pins: dict[str, Spec] | None = None,
+                         rewrites: dict[str, dict] | None = None) -> Callable:
+    """A function of the flat inputs that computes the jaxpr under the plan's constraints (and
+    the plan's rewrites in place of the equations they replace)."""
+    emitter = _Emitter(graph, specs, dot_operands, mesh, operand_pins, result_pins, rewrites)
 
     def run(*flat_args):
         return emitter.eval(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat_args)

@@ -314,7 +314,7 @@ class CostModel:
         """``[len(rows), len(cols)]`` seconds of :meth:`reduce_partial`'s collectives, row ``i``
         being ``(produced, partial, groups)`` and column ``j`` the spec ``dst``. The reductions
         (all-reduce, reduce-scatter) pay ``1/share`` of their latency: they are combined with
-        ``share - 1`` others into one collective (see ``Enumerator.combined_reductions``)."""
+        ``share - 1`` others into one collective (see :mod:`shardplan.combine`)."""
         # Specs are numbered once per table side, so a cell costs a lookup of two small ints.
         ids = self._ids
         rows = [(p, tuple(part), None if grp is None else tuple(map(tuple, grp))) for p, part, grp in rows]

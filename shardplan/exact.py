@@ -63,8 +63,7 @@ def solve_exact(problem: Problem, *, max_entries: int = 25_000_000) -> Solution 
         return None
     factors: list[tuple[tuple[int, ...], np.ndarray]] = [((i,), n.cost.astype(float)) for i, n in
                                                           enumerate(problem.nodes)]
-    factors += [((a, b), t.astype(float)) if a < b else ((b, a), t.T.astype(float))
-                for (a, b), t in problem.edges.items()]
+    factors += [((a, b), t.astype(float)) for (a, b), t in problem.edges.items()]     # a < b
     records = []
     for n in order:
         mine = [f for f in factors if n in f[0]]

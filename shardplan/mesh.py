@@ -34,6 +34,9 @@ class Link:
 
 
 DEFAULT_HEAP_OVERHEAD = 0.10
+# Bytes/s one host feeds its accelerators with each step's input (reading, decoding, copying
+# over PCIe): a conservative figure for a training host's input pipeline.
+DEFAULT_HOST_BANDWIDTH = 10e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,10 @@ class Device:
     XLA's own peak, a 99.7 MiB heap). Heap / predicted live temporaries on issue 3's reference
     matrix (CPU backend): 1.07 (MLP), 1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default.
     ``shardplan audit`` prints the value a compile implies; set it for your own devices.
+
+    ``host_bandwidth``: bytes/s one host's input pipeline delivers to its devices; each host loads
+    its share of every step's input (the batch) at that rate (see
+    :meth:`MeshSpec.node_shards`).
     """
 
     name: str
@@ -54,6 +61,7 @@ class Device:
     hbm_bytes: int
     hbm_bandwidth: float
     heap_overhead: float = DEFAULT_HEAP_OVERHEAD
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
 
     def flops_for(self, dtype_name: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype_name``; unknown dtypes use the float32 rate."""
@@ -118,6 +126,25 @@ class MeshSpec:
             stride *= size
         return dataclasses.replace(self, axes=tuple(reversed(built)))
 
+    @property
+    def nodes(self) -> int:
+        return max(1, self.num_devices // self.devices_per_node)
+
+    def node_shards(self, axes) -> int:
+        """Into how many per-node shares an array split over mesh ``axes`` falls: the product of
+        those axes' spans across nodes (an axis within a node: 1). Each node loads one share."""
+        if self.nodes == 1:
+            return 1
+        n, stride = 1, 1
+        spans = {}
+        for a in reversed(self.axes):
+            inner = max(1, self.devices_per_node // stride)      # how much of the axis fits in a node
+            spans[a.name] = max(1, a.size // inner) if stride * a.size > self.devices_per_node else 1
+            stride *= a.size
+        for a in axes:
+            n *= spans.get(a, 1)
+        return n
+
     def to_jax_mesh(self, devices: list | None = None) -> jax.sharding.Mesh:
         """A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes over the first devices of ``jax.devices()``."""
         return make_jax_mesh(self.axis_names, self.axis_sizes, devices, name=self.name)
@@ -137,7 +164,7 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
-_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead"}
+_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead", "host_bandwidth"}
 _REQUIRED_DEVICE_KEYS = ("name", "peak_flops", "hbm_bytes", "hbm_bandwidth")
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
@@ -242,10 +269,11 @@ def _device(dev: Any, problems: _Problems) -> Device | None:
     hbm_bandwidth = _positive(dev["hbm_bandwidth"], "device.hbm_bandwidth", problems) \
         if "hbm_bandwidth" in dev else None
     heap = _fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", problems)
-    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap):
+    host = _positive(dev.get("host_bandwidth", DEFAULT_HOST_BANDWIDTH), "device.host_bandwidth", problems)
+    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap, host):
         return None
     return Device(name=str(dev["name"]), peak_flops=peak, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bandwidth,
-                  heap_overhead=heap)
+                  heap_overhead=heap, host_bandwidth=host)
 
 
 def _links(raw: Any, problems: _Problems) -> tuple[dict[str, Link], list | None]:
@@ -442,7 +470,9 @@ def to_toml(spec: MeshSpec) -> str:
              + " }  # FLOP/s per dtype, dense matmul",
              f"hbm_bytes = {int(d.hbm_bytes)}  # bytes of HBM per device",
              f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s",
-             f"heap_overhead = {float(d.heap_overhead)!r}  # fraction XLA's heap adds to live temporaries", ""]
+             f"heap_overhead = {float(d.heap_overhead)!r}  # fraction XLA's heap adds to live temporaries",
+             f"host_bandwidth = {float(d.host_bandwidth)!r}  # bytes/s a host's input pipeline feeds its devices",
+             ""]
     for name, link in links.items():
         lines += [f"[links.{name}]",
                   f"bandwidth = {float(link.bandwidth)!r}  # bytes/s per device per direction",

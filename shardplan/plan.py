@@ -54,6 +54,7 @@ class PredictedCost:
     memory_bytes: float                   # peak per device: arguments + live intermediates
     memory_bytes_by_role: dict[str, float]  # arguments only: "params", "opt_state", "batch", ...
     comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)  # split evenly over a collective's axes
+    input_s: float = 0.0                  # the hosts loading the step's input, each its share
 
     @property
     def comm_s(self) -> float:
@@ -61,7 +62,7 @@ class PredictedCost:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.input_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Plan:
     operand_pins: dict[tuple[str, str], Spec] = dataclasses.field(default_factory=dict)
     # result tensor path -> the spec its op makes it in (before resharding to its own spec)
     result_pins: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    # result tensor path -> the rewrite that computes its op (shardplan.rewrites): kind and specs
+    rewrites: dict[str, dict] = dataclasses.field(default_factory=dict)
     # "path dtype[shape]" of every tensor of the traced step: what the fingerprint hashes
     signature: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -138,7 +141,9 @@ class Plan:
         c = self.cost
         lines = [f"shardplan plan on {self.mesh_name} {dict(zip(self.axis_names, self.axis_sizes))}",
                  f"predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
-                 f"collectives {c.comm_s * 1e3:.3f} ms; peak memory {format_bytes(c.memory_bytes)}/device",
+                 f"collectives {c.comm_s * 1e3:.3f} ms"
+                 + (f" + input loading {c.input_s * 1e3:.3f} ms" if c.input_s else "")
+                 + f"; peak memory {format_bytes(c.memory_bytes)}/device",
                  "collectives: " + (", ".join(f"{k} {v * 1e3:.3f} ms ({format_bytes(c.comm_bytes_by_kind[k])})"
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
@@ -171,7 +176,7 @@ class Plan:
         import hashlib
         data = self._data()
         body = {k: data[k] for k in ("fingerprint", "axis_names", "axis_sizes", "dot_operands", "operand_pins",
-                                     "result_pins")}
+                                     "result_pins", "rewrites")}
         body["specs"] = [(r["path"], r["spec"]) for r in data["inputs"] + data["outputs"] + data["activations"]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -190,6 +195,9 @@ class Plan:
             "dot_operands": {k: [[list(a) for a in s] for s in v] for k, v in self.dot_operands.items()},
             "operand_pins": [[a, b, [list(x) for x in s]] for (a, b), s in self.operand_pins.items()],
             "result_pins": {k: [list(x) for x in s] for k, s in self.result_pins.items()},
+            "rewrites": {k: {"kind": r["kind"], "operand": [list(x) for x in r["operand"]],
+                             "made": [list(x) for x in r["made"]], "partial": list(r["partial"])}
+                         for k, r in self.rewrites.items()},
             "cost": dataclasses.asdict(self.cost), "solver": solver,
             "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings)}
 
@@ -241,6 +249,8 @@ class Plan:
             warnings=tuple(data["warnings"]),
             operand_pins={(a, b): spec(s) for a, b, s in data["operand_pins"]},
             result_pins={str(k): spec(s) for k, s in data["result_pins"].items()},
+            rewrites={str(k): {"kind": str(r["kind"]), "operand": spec(r["operand"]), "made": spec(r["made"]),
+                               "partial": tuple(str(a) for a in r["partial"])} for k, r in data["rewrites"].items()},
             trees=(str(data["in_tree"]), str(data["out_tree"])))
 
     def _inconsistency(self) -> str:
@@ -253,6 +263,11 @@ class Plan:
         specs = [(r.name, r.shape, r.spec) for r in (*self.inputs, *self.outputs, *self.activations) if r.path]
         specs += [(f"dot {k}", None, s) for k, v in self.dot_operands.items() for s in v]
         specs += [(f"pin {k}", None, s) for k, s in self.result_pins.items()]
+        specs += [(f"rewrite {k}", None, r[w]) for k, r in self.rewrites.items() for w in ("operand", "made")]
+        from shardplan.rewrites import EMITTERS
+        for k, r in self.rewrites.items():
+            if r["kind"] not in EMITTERS:
+                return f"rewrite {k}: unknown kind {r['kind']!r} (known: {sorted(EMITTERS)})"
         for name, shape, spec in specs:
             used = [a for axes in spec for a in axes]
             if set(used) - known:

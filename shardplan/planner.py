@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
 from shardplan.errors import InfeasibleBudgetError
 from shardplan.exact import solve_by_axis_blocks, solve_exact
-from shardplan.graph import Graph, build_graph
+from shardplan.graph import Graph
+from shardplan.walk import build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint, signature
 from shardplan.progress import Status
@@ -78,7 +79,12 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     donated_outputs = _donated_outputs(graph, donated)
     model = CostModel(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
-    enum = Enumerator(graph, model, donated_outputs, fixed)
+    # Inputs the hosts load every step: beyond the first argument (the state), neither returned
+    # anew nor donated (the batch).
+    state_in = {i for i, _ in state_pairs}
+    fed = frozenset(t for k, t in enumerate(graph.inputs)
+                    if k not in state_in and not (k < len(donated) and donated[k]) and input_args[k] not in (0, "0"))
+    enum = Enumerator(graph, model, donated_outputs, fixed, fed)
     problem = enum.build()
     tied = tie(problem) if options.tie_layers else None
     solved = tied.problem if tied else problem
@@ -230,14 +236,18 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
 
     # Where the pricing reshards an operand before its op, or makes a result in place and
     # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
-    operand_pins, result_pins = {}, {}
+    operand_pins, result_pins, rewrites = {}, {}, {}
     for e in graph.edges:
         if e.required is not None:
-            comms, pin, made = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+            comms, pin, made, rewrite = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
             if pin is not None:
                 operand_pins[(graph.tensors[e.src].path, graph.tensors[e.dst].path)] = pin
             if made is not None:
                 result_pins[graph.tensors[e.dst].path] = made
+            if rewrite is not None:         # the op emitted another way (shardplan.rewrites)
+                kind, made, partial = rewrite
+                rewrites[graph.tensors[e.dst].path] = {"kind": kind, "operand": spec_of[e.src], "made": made,
+                                                       "partial": tuple(partial)}
         else:
             comms = enum.edge_comms(e, spec_of[e.src], spec_of[e.dst])
         account(comms, e.mult, e.dst)
@@ -265,6 +275,11 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
                           model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
 
+    loading = 0.0
+    for t in enum.fed:
+        s = enum.input_seconds(t, spec_of[t])
+        loading += s
+        cost_of[t] += s
     inputs = tuple(row(t, role_of(graph.tensors[t].name, a)) for t, a in zip(graph.inputs, input_args))
     by_role: dict[str, float] = {}
     for r in inputs:
@@ -278,10 +293,10 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                  for t in graph.tensors if t.rank and t.id not in seen)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
-                         memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis)
+                         memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
-                result_pins=result_pins,
+                result_pins=result_pins, rewrites=rewrites,
                 cost=cost, solver=stats,
                 fingerprint=graph_fingerprint(graph), signature=signature(graph), warnings=tuple(graph.warnings),
                 in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)

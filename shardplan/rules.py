@@ -9,7 +9,9 @@ the primitive and the source line.
 
 from __future__ import annotations
 
-from shardplan.graph import DotOp, Graph, PairEdge, source_of
+from shardplan.graph import DotOp, Graph, PairEdge
+from shardplan.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
+from shardplan.walk import source_of
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -41,9 +43,10 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     operands = [t for t in ins if t is not None and _rank(g, t) > 0]
     shape_out = g.tensors[out].shape if out is not None else ()
 
-    def edge(src, dst, required=None, produced=None, passthrough=None):
+    def edge(src, dst, required=None, produced=None, passthrough=None, rewrite=None):
         if src is not None and dst is not None:
-            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced, passthrough=passthrough))
+            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced, passthrough=passthrough,
+                                rewrite=rewrite))
 
     if prim == "dot_general":
         (lc, rc), (lb, rb) = p["dimension_numbers"]
@@ -304,7 +307,22 @@ def _gather_rule(g, eqn, ins, out, edge):
                 spec[od] = tuple(a for a in dst[od] if a not in used)
                 used.update(spec[od])
         return tuple(spec)
-    edge(operand, out, required=operand_required, passthrough=operand_passthrough)
+    rewrite = None
+    if vocab_parallel_applies(eqn):
+        def vocab_parallel(src, dst):
+            # A row lookup from a table split by rows (an embedding split over its vocabulary):
+            # each device looks up the ids in its rows, the partial results are summed.
+            rows = src[0]
+            if not rows or any(a in rows for axes in dst for a in axes):
+                return None
+            made = tuple(dst[d] if d in batch_out else () for d in range(out_rank))
+            for d, axes in enumerate(src[1:], start=1):
+                if any(a in axes for b in made for a in b):
+                    return None
+                made = made[:out_of_op[d]] + (axes,) + made[out_of_op[d] + 1:]
+            return VOCAB_PARALLEL_GATHER, made, rows
+        rewrite = vocab_parallel
+    edge(operand, out, required=operand_required, passthrough=operand_passthrough, rewrite=rewrite)
     edge(indices, out, required=indices_required)
 
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.strategies import Problem
+from shardplan.strategies import EdgeTables, Problem
 
 
 @dataclasses.dataclass
@@ -23,32 +23,22 @@ class Reduced:
     steps: list[tuple]               # elimination records, in order
 
 
-def _table(edges, a, b) -> np.ndarray:
-    return edges[(a, b)] if a < b else edges[(b, a)].T
-
-
 def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
     nodes = [dataclasses.replace(n, cost=n.cost.astype(float).copy()) for n in problem.nodes]
-    edges = {k: v.astype(float) for k, v in problem.edges.items()}
-    adj: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
-    for a, b in edges:
-        adj[a].add(b)
-        adj[b].add(a)
+    edges = EdgeTables({k: v.astype(float) for k, v in problem.edges.items()})
+    adj = {n: set(ms) for n, ms in edges.neighbours(len(nodes)).items()}
     alive = set(range(len(nodes)))
     steps: list[tuple] = []
     memless = [not n.memory.any() for n in nodes]
 
     def set_edge(a, b, table):
-        if a < b:
-            edges[(a, b)] = edges.get((a, b), 0) + table
-        else:
-            edges[(b, a)] = edges.get((b, a), 0) + table.T
+        edges.add(a, b, table)
         adj[a].add(b)
         adj[b].add(a)
 
     def drop(n):
         for m in list(adj[n]):
-            edges.pop((min(n, m), max(n, m)), None)
+            edges.drop(n, m)
             adj[m].discard(n)
         adj[n].clear()
         alive.discard(n)
@@ -64,8 +54,7 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
             if k == 1 and memless[n] is False:
                 # A fixed choice still counts its memory; fold only its edges.
                 for m in nbrs:
-                    nodes[m].cost += _table(edges, m, n)[:, 0]
-                    edges.pop((min(n, m), max(n, m)))
+                    nodes[m].cost += edges.drop(m, n)[:, 0]
                     adj[m].discard(n)
                 adj[n].clear()
                 continue
@@ -78,7 +67,7 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
                 changed = True
             elif len(nbrs) == 1:
                 m = nbrs[0]
-                total = cost[:, None] + _table(edges, n, m)          # [k, |m|]
+                total = cost[:, None] + edges.table(n, m)          # [k, |m|]
                 steps.append(("leaf", n, m, np.argmin(total, axis=0)))
                 nodes[m].cost += total.min(axis=0)
                 drop(n)
@@ -88,7 +77,7 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
                 ka, kc = len(nodes[a].options), len(nodes[c].options)
                 if ka * kc > max(max_table, k * (ka + kc)):
                     continue
-                t1, t2 = _table(edges, n, a), _table(edges, n, c)
+                t1, t2 = edges.table(n, a), edges.table(n, c)
                 total = cost[:, None, None] + t1[:, :, None] + t2[:, None, :]   # [k, ka, kc]
                 steps.append(("chain", n, a, c, np.argmin(total, axis=0)))
                 drop(n)
@@ -97,7 +86,7 @@ def simplify(problem: Problem, *, max_table: int = 4096) -> Reduced:
     kept = sorted(alive)
     index = {old: new for new, old in enumerate(kept)}
     new_nodes = [nodes[i] for i in kept]
-    new_edges = {}
+    new_edges = EdgeTables()
     for (a, b), t in edges.items():
         if a in index and b in index:
             new_edges[(index[a], index[b])] = t
@@ -115,11 +104,8 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
     survives. Returns the smaller problem and, per node, the original indices of its options.
     """
     nodes = list(problem.nodes)
-    edges = dict(problem.edges)
-    adj: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
-    for a, b in edges:
-        adj[a].append(b)
-        adj[b].append(a)
+    edges = EdgeTables(problem.edges)
+    adj = edges.neighbours(len(nodes))
     keep = [np.arange(len(n.options)) for n in nodes]
     dirty = set(range(len(nodes)))       # nodes whose own or a neighbour's options changed
     for _ in range(rounds):
@@ -131,7 +117,7 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
                 continue
             margin = node.cost[:, None] - node.cost[None, :]
             for m in adj[n]:
-                t = _table(edges, n, m)
+                t = edges.table(n, m)
                 margin = margin + (t[:, None, :] - t[None, :, :]).min(axis=2)
             ok = margin >= 0                      # ok[i, j]: j is never worse than i
             if memory:
@@ -150,11 +136,7 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
             keep[n] = keep[n][idx]
             nodes[n] = dataclasses.replace(node, options=[node.options[i] for i in idx], cost=node.cost[idx],
                                            memory=node.memory[:, idx])
-            for m in adj[n]:
-                if n < m:
-                    edges[(n, m)] = edges[(n, m)][idx, :]
-                else:
-                    edges[(m, n)] = edges[(m, n)][:, idx]
+            edges.keep_options(n, idx, adj[n])
         if not changed:
             break
     return Problem(nodes, edges, problem.base_memory, problem.node_of_group, problem.node_of_dot), keep

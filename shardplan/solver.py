@@ -269,10 +269,8 @@ def greedy(problem: Problem) -> list[int]:
     For every subset of the mesh axes, the search first keeps to options that use only those axes
     (pure data parallel over one axis, say), then is let free. Option 0 of every node is replicated.
     """
-    nbrs: dict[int, list[tuple[int, np.ndarray]]] = {i: [] for i in range(len(problem.nodes))}
-    for (a, b), t in problem.edges.items():
-        nbrs[a].append((b, t))
-        nbrs[b].append((a, t.T))
+    nbrs = {n: [(m, problem.edges.table(n, m)) for m in ms]
+            for n, ms in problem.edges.neighbours(len(problem.nodes)).items()}
     axes = sorted(set().union(*(_option_axes(o) for n in problem.nodes for o in n.options)) or set())
     best, best_cost = None, float("inf")
     for r in range(len(axes) + 1):

@@ -9,6 +9,7 @@ of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import itertools
 import math
 import re
@@ -16,6 +17,7 @@ import re
 import numpy as np
 
 from shardplan.cost import Comm, CostModel, Spec
+from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
 
 
@@ -35,13 +37,55 @@ class Node:
 _LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
 
 
+class EdgeTables(dict):
+    """The cost tables between pairs of nodes: ``{(a, b): [options of a, options of b]}`` seconds,
+    each pair once with ``a < b``. Read and write them through these methods, in either
+    orientation; the convention lives here only."""
+
+    def table(self, a: int, b: int) -> np.ndarray:
+        """``[options of a, options of b]``."""
+        return self[(a, b)] if a < b else self[(b, a)].T
+
+    def add(self, a: int, b: int, table: np.ndarray) -> None:
+        """Add ``table`` (``[options of a, options of b]``, ``a != b``) to the pair's table."""
+        if a < b:
+            self[(a, b)] = self.get((a, b), 0) + table
+        else:
+            self[(b, a)] = self.get((b, a), 0) + table.T
+
+    def drop(self, a: int, b: int) -> np.ndarray | None:
+        """Remove the pair's table; returns it as ``[options of a, options of b]`` (``None`` if absent)."""
+        t = self.pop((min(a, b), max(a, b)), None)
+        return t if t is None or a < b else t.T
+
+    def keep_options(self, n: int, keep: np.ndarray, neighbours) -> None:
+        """Keep only options ``keep`` of node ``n`` in its tables with ``neighbours``."""
+        for m in neighbours:
+            if n < m:
+                self[(n, m)] = self[(n, m)][keep, :]
+            else:
+                self[(m, n)] = self[(m, n)][:, keep]
+
+    def neighbours(self, num_nodes: int) -> dict[int, list[int]]:
+        """Node -> the nodes it shares a table with."""
+        adj: dict[int, list[int]] = {i: [] for i in range(num_nodes)}
+        for a, b in self:
+            adj[a].append(b)
+            adj[b].append(a)
+        return adj
+
+
 @dataclasses.dataclass
 class Problem:
     nodes: list[Node]
-    edges: dict[tuple[int, int], np.ndarray]   # (node a, node b) -> [options a, options b] seconds
+    edges: EdgeTables                           # (node a, node b) -> [options a, options b] seconds
     base_memory: np.ndarray                     # [points] bytes that no option changes
     node_of_group: dict[int, int]
     node_of_dot: dict[int, int]
+
+    def __post_init__(self):
+        if not isinstance(self.edges, EdgeTables):
+            self.edges = EdgeTables(self.edges)
 
 
 def hbm_traffic(graph: Graph) -> dict[int, int]:
@@ -80,8 +124,9 @@ class Enumerator:
     """Turns a :class:`Graph` and a :class:`CostModel` into a :class:`Problem`."""
 
     def __init__(self, graph: Graph, model: CostModel, donated_outputs: frozenset[int] = frozenset(),
-                 fixed: dict[int, Spec] | None = None):
+                 fixed: dict[int, Spec] | None = None, fed: frozenset[int] = frozenset()):
         self.fixed = fixed or {}     # tensor -> spec it must have (inputs of a hand-written plan)
+        self.fed = fed               # inputs loaded from the hosts every step (the batch)
         self.g = graph
         self.m = model
         self.axes = model.mesh.axis_names
@@ -91,7 +136,7 @@ class Enumerator:
         self.donated_outputs = donated_outputs
         self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
-        self.combined = self.combined_reductions()
+        self.combined = combined_reductions(graph)
 
     # -- options ---------------------------------------------------------------------------------
     def group_classes(self, root: int) -> list[int]:
@@ -186,22 +231,33 @@ class Enumerator:
         return self._bytes_memo[key]
 
     def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) \
-            -> tuple[list[tuple[Comm, float]], Spec | None, Spec | None]:
+            -> tuple[list[tuple[Comm, float]], Spec | None, Spec | None, tuple | None]:
         """For an edge with ``required``: its collectives, the spec its operand is resharded to
-        before the op, and the spec the op makes its result in before that is resharded (each
-        ``None`` where nothing moves). The operand moves unless the op can run on it in place
-        (``passthrough``) and resharding its result instead is cheaper (the table takes the
-        cheaper of the two the same way)."""
+        before the op, the spec the op makes its result in before that is resharded (each
+        ``None`` where nothing moves), and the rewrite chosen for the op (``(kind, made, partial)``,
+        :mod:`shardplan.rewrites`; ``None``: the op as traced). The operand moves unless the op
+        can run on it in place (``passthrough``, or a ``rewrite`` whose partial result is then
+        reduced) and that is cheaper; the table takes the cheapest the same way."""
         t = self.g.tensors[edge.src]
         need = edge.required(dst_spec)
         comms = self.scaled(self.m.reshard_items(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
+        best = (comms, (need if comms else None), None, None)
+        if not comms:
+            return best
+        out = self.g.tensors[edge.dst]
         made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
-        if comms and made is not None:
-            out = self.g.tensors[edge.dst]
+        if made is not None:
             other = self.scaled(self.m.reshard_items(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
-            if sum(sec for _, sec in other) < sum(sec for _, sec in comms):
-                return other, None, made
-        return comms, (need if comms else None), None
+            if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
+                best = (other, None, made, None)
+        rewrite = edge.rewrite(src_spec, dst_spec) if edge.rewrite is not None else None
+        if rewrite is not None:
+            _, made, partial = rewrite
+            other = self.scaled(self.m.reduce_items(out.shape, out.dtype.itemsize, made, partial, dst_spec),
+                                edge.mult)
+            if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
+                best = (other, None, None, rewrite)
+        return best
 
     def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one op edge, each with its seconds per step."""
@@ -249,23 +305,32 @@ class Enumerator:
         """Collectives issued ``mult`` times a step: their seconds per step."""
         return [(c, mult * sec) for c, sec in items]
 
-    def combined_reductions(self) -> dict[int, int]:
-        """Partial sums XLA reduces in one combined collective per loop trip -> how many share it.
+    @staticmethod
+    def _cheaper_in_place(moved: np.ndarray, made: list[list], price: Callable) -> None:
+        """``moved[i, j]`` (the operand resharded) replaced by the price of running the op in
+        place, ``made[i][j]`` (a spec, or a reduction row; ``None`` where it cannot), where that
+        is cheaper. ``price(distinct made)`` gives ``[distinct made, columns]`` seconds."""
+        rows, index = _distinct([m for row in made for m in row if m is not None])
+        if not rows:
+            return
+        after = price(rows)
+        flat = iter(index)
+        for i, row in enumerate(made):
+            for j, m in enumerate(row):
+                if m is not None:
+                    k = next(flat)
+                    if moved[i, j] > 0:
+                        moved[i, j] = min(moved[i, j], after[k, j])
 
-        In a scan over layers every per-layer gradient that only flows into the stacked gradient
-        (:meth:`Graph.feeds_stacked_output`) is independent of the others, and XLA's all-reduce
-        and reduce-scatter combiners merge their reductions into one tuple-shaped collective per
-        trip; at the top level so are the gradients that only flow into the optimizer update
-        (:meth:`Graph.feeds_update`). Each then pays 1/k of one collective's latency, k being how
-        many share the trip (the top level is loop 0).
-        """
-        g = self.g
-        made = [d.out for d in g.dots] + [e.dst for e in g.edges if e.produced is not None]
-        members = [t for t in dict.fromkeys(made) if g.feeds_stacked_output(t) or g.feeds_update(t)]
-        per_loop: dict[int, int] = {}
-        for t in members:
-            per_loop[g.loop_of[t]] = per_loop.get(g.loop_of[t], 0) + 1
-        return {t: per_loop[g.loop_of[t]] for t in members}
+    def input_seconds(self, tid: int, spec: Spec) -> float:
+        """Seconds per step the hosts spend loading an input (the batch) of this spec: each node
+        loads its share (:meth:`MeshSpec.node_shards`), all nodes at once. The same for every
+        spec on one node, so only meshes of several nodes price it."""
+        mesh = self.m.mesh
+        if mesh.nodes == 1:
+            return 0.0
+        t = self.g.tensors[tid]
+        return t.nbytes / mesh.node_shards([a for axes in spec for a in axes]) / mesh.device.host_bandwidth
 
     def hbm_seconds(self, tid: int, per_device_bytes):
         """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
@@ -320,8 +385,9 @@ class Enumerator:
             for t in ranked:
                 specs = [self.tensor_spec_from(g, t, o) for o in options]
                 spec_of[t] = specs
-                ts = g.tensors[t]
                 per_dev = np.array([self._bytes(t, s) for s in specs])
+                if t in self.fed:
+                    cost += np.array([self.input_seconds(t, s) for s in specs])
                 cost += self.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += per_dev * heap
@@ -334,19 +400,17 @@ class Enumerator:
             signature = hash((where, tuple(tuple(spec_of[t]) for t in ranked)))
             nodes.append(Node("group", root, options, cost, memory, label, signature))
 
-        edges: dict[tuple[int, int], np.ndarray] = {}
+        edges = EdgeTables()
 
         def add_table(a: int, b: int, table: np.ndarray) -> None:
             if a == b:
                 nodes[a].cost += np.diagonal(table).copy()
-            elif a < b:
-                edges[(a, b)] = edges.get((a, b), 0) + table
             else:
-                edges[(b, a)] = edges.get((b, a), 0) + table.T
+                edges.add(a, b, table)
 
         for e in g.edges:
             a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
-            if e.required is not None and e.passthrough is None:
+            if e.required is not None and e.passthrough is None and e.rewrite is None:
                 # The operand is resharded to what the op requires: the price depends only on
                 # the operand's shape and the two specs, shared by every edge that moves alike.
                 src = g.tensors[e.src]
@@ -363,16 +427,13 @@ class Enumerator:
                 needs, n_index = _distinct([e.required(d) for d in dsts])
                 moved = self.m.reshard_table(src.shape, src.dtype.itemsize, haves, needs)[:, n_index]
                 made = [[e.passthrough(have, d) for d in dsts] for have in haves]
-                outs, o_index = _distinct([m for row in made for m in row if m is not None])
-                if outs:
-                    after = self.m.reshard_table(out.shape, out.dtype.itemsize, outs, dsts)
-                    flat = iter(o_index)
-                    for i, row in enumerate(made):
-                        for j, m in enumerate(row):
-                            if m is not None:
-                                k = next(flat)
-                                if moved[i, j] > 0:
-                                    moved[i, j] = min(moved[i, j], after[k, j])
+                self._cheaper_in_place(moved, made, lambda outs: self.m.reshard_table(
+                    out.shape, out.dtype.itemsize, outs, dsts))
+                if e.rewrite is not None:
+                    rewritten = [[(r[1], r[2], None) if (r := e.rewrite(have, d)) else None for d in dsts]
+                                 for have in haves]
+                    self._cheaper_in_place(moved, rewritten, lambda rows: self.m.reduce_table(
+                        out.shape, out.dtype.itemsize, rows, dsts))
                 table = e.mult * moved[np.ix_(h_index, d_index)]
             elif not e.primitive.startswith("scatter"):
                 # A result made as ``produced`` (partial over some axes) and reduced to the spec

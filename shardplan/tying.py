@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.strategies import Problem
+from shardplan.strategies import EdgeTables, Problem
 
 
 @dataclasses.dataclass
@@ -37,15 +37,13 @@ def tie(problem: Problem) -> Tied:
             k = index[key] = len(nodes)
             nodes.append(dataclasses.replace(node, cost=node.cost.copy(), memory=node.memory.copy()))
         rep.append(k)
-    edges: dict[tuple[int, int], np.ndarray] = {}
+    edges = EdgeTables()
     for (a, b), table in problem.edges.items():
         ra, rb = rep[a], rep[b]
         if ra == rb:
             nodes[ra].cost = nodes[ra].cost + np.diagonal(table)
-        elif ra < rb:
-            edges[(ra, rb)] = edges.get((ra, rb), 0) + table
         else:
-            edges[(rb, ra)] = edges.get((rb, ra), 0) + table.T
+            edges.add(ra, rb, table)
     tied = Problem(nodes, edges, problem.base_memory, {}, {})
     return Tied(tied, rep, len(nodes))
 

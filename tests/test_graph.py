@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardplan.graph import build_graph
+from shardplan.combine import feeds_stacked_output, feeds_update
+from shardplan.walk import build_graph
 from shardplan.hlo import collectives
 from shardplan.mesh import make_jax_mesh
 from shardplan.rules import apply_rule
@@ -33,12 +34,12 @@ def test_per_layer_gradients_feed_the_stacked_gradient():
     feeds = {}
     for d in g.dots:
         if g.loop_of[d.out]:
-            feeds.setdefault(g.tensors[d.out].shape, set()).add(g.feeds_stacked_output(d.out))
+            feeds.setdefault(g.tensors[d.out].shape, set()).add(feeds_stacked_output(g, d.out))
     # Weight gradients are stacked into the scan's output and read by nothing else in the body.
     assert feeds[(64, 128)] == feeds[(128, 64)] == {True}
     # Activation gradients (32, 64) feed the next trip.
     assert feeds[(32, 64)] == {False}
-    assert not any(g.feeds_stacked_output(t) for t in g.inputs)
+    assert not any(feeds_stacked_output(g, t) for t in g.inputs)
 
 
 def test_xla_merges_the_per_layer_gradient_reductions():
@@ -78,10 +79,10 @@ def test_top_level_gradients_feed_the_update():
     weight_grads = [d.out for d in g.dots if g.tensors[d.out].shape in ((64, 128), (128, 64))
                     and g.tensors[d.out].name.startswith("transpose")]
     assert len(weight_grads) == 6
-    assert all(g.feeds_update(t) for t in weight_grads)
+    assert all(feeds_update(g, t) for t in weight_grads)
     # Activations (forward and backward) feed further dots, not only the update.
     acts = [d.out for d in g.dots if g.tensors[d.out].shape == (32, 64)]
-    assert acts and not any(g.feeds_update(t) for t in acts)
+    assert acts and not any(feeds_update(g, t) for t in acts)
 
 
 def test_xla_merges_the_top_level_gradient_reductions():

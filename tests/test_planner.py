@@ -211,3 +211,21 @@ def test_search_mesh_tries_every_factorisation_and_keeps_the_best():
     assert tried[0][1] == pytest.approx(tried[3][1])
     fixed = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", time_limit=3)
     assert p.cost.step_s <= fixed.cost.step_s * (1 + 1e-9)
+
+
+def test_each_node_loads_its_share_of_the_batch():
+    """The hosts load every step's batch, each node its share: a batch split across nodes costs
+    1/(nodes it spans) of one split within nodes only, and the plan prices what it chose."""
+    mesh = shardplan.load_mesh("h100-8x8", axes={"data": 8, "model": 8})      # data across nodes
+    assert (mesh.node_shards(["data"]), mesh.node_shards(["model"]), mesh.node_shards(["data", "model"])) == (8, 1, 8)
+    assert shardplan.load_mesh("h100-8x8", axes={"data": 16, "model": 4}).node_shards(["model"]) == 1
+    assert shardplan.load_mesh("h100-8x8", axes={"data": 4, "model": 16}).node_shards(["model"]) == 2
+    ref = reference("gpt-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(64, abstract=True)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=mesh, donate_argnums=(0,), cache=False)
+    loads = sum(x.size * x.dtype.itemsize / mesh.node_shards([a for axes in r.spec for a in axes])
+                for x, r in zip(jax.tree.leaves(batch), [r for r in p.inputs if r.name.startswith("[1]")]))
+    assert p.cost.input_s == pytest.approx(loads / mesh.device.host_bandwidth, rel=1e-12) and p.cost.input_s > 0
+    assert p.cost.step_s == pytest.approx(p.solver.objective, rel=1e-9)
+    one_node = shardplan.plan(ref.train_step, state, batch, mesh="h100-8", donate_argnums=(0,), cache=False)
+    assert one_node.cost.input_s == 0.0            # the same for every plan on one node: not priced

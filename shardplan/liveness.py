@@ -1,0 +1,126 @@
+"""XLA's memory and fusion model: which tensors are stored, and when each is live.
+
+While :mod:`shardplan.walk` walks a jaxpr it records, per level (the step, each loop body),
+which tensors every equation defines and when each is last read. :func:`fuse` then drops the
+results XLA fuses into their readers (never stored) and lets a result take over a dying
+operand's buffer; :func:`checkpoints` picks the fullest points of the schedule, the memory
+checkpoints the ILP holds under the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+@dataclasses.dataclass
+class Level:
+    """Liveness bookkeeping of one jaxpr being walked."""
+
+    defined: list[list[int]] = dataclasses.field(default_factory=list)   # per eqn, tensors it defines
+    last_use: dict[int, int] = dataclasses.field(default_factory=dict)   # tensor -> last eqn index using it
+    inner_peak: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # eqn index -> body's peak set
+    made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
+
+
+# Primitives XLA fuses into a loop fusion with their producers: the producer's result is computed
+# inside the consumer's kernel and never stored, if every reader is one of these.
+FUSIBLE = frozenset("""
+abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp exp2
+expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
+nextafter not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum rem reshape
+reduce_precision round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh transpose xor
+""".split())
+# Ops whose result XLA writes into their first operand's buffer when the operand dies there.
+IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min",
+                       "scatter-max", "dynamic_update_slice"})
+# Results XLA would rather store than recompute in each of several readers (its "expensive" ops).
+EXPENSIVE = frozenset("""
+cos div erf erf_inv exp exp2 expm1 integer_pow log log1p logistic pow rem rsqrt sin sqrt tan tanh
+""".split())
+REDUCTIONS = frozenset(("reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum"))
+
+
+def fuse(g, level: Level, kept: set) -> None:
+    """Drop from the liveness schedule the results XLA fuses into their readers.
+
+    A result of an elementwise op (or broadcast, reshape, convert ...) whose readers are all
+    fusible is computed inside each reader's kernel and never stored; its inputs live instead
+    until its last reader. An expensive result read more than once is stored (XLA does not
+    duplicate it). Later results first, so a fused chain hands liveness back to its start.
+    """
+    fused = set()
+    for i in range(len(level.defined) - 1, -1, -1):
+        for t in level.defined[i]:
+            made = level.made_by.get(t)
+            if made is None or t in kept or made[0] not in FUSIBLE or made[0] in REDUCTIONS:
+                continue
+            readers = g.readers.get(t, [])
+            # XLA folds a transpose into the dots that read it (its TransposeFolding pass).
+            fold = FUSIBLE | {"dot_general", "conv_general_dilated"} if made[0] == "transpose" else FUSIBLE
+            if not readers or any(p not in fold for p, _ in readers):
+                continue
+            if len(readers) > 1 and made[0] in EXPENSIVE:
+                continue
+            fused.add(t)
+            end = level.last_use.get(t, i)
+            for x in made[1]:
+                if x in level.last_use:
+                    level.last_use[x] = max(level.last_use[x], end)
+    if fused:
+        level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
+    # A stored elementwise result takes over the buffer of a same-size operand that dies in
+    # its kernel (XLA shares an elementwise fusion's output with such an operand).
+    for i, ts in enumerate(level.defined):
+        for t in ts:
+            made = level.made_by.get(t)
+            if made is None or made[0] not in FUSIBLE or made[0] in REDUCTIONS:
+                continue
+            stack, seen = list(made[1]), set()
+            while stack:
+                x = stack.pop()
+                if x in seen:
+                    continue
+                seen.add(x)
+                if x in fused:
+                    stack.extend(level.made_by[x][1])
+                elif x in level.made_by and x not in kept and level.last_use.get(x) == i \
+                        and g.tensors[x].nbytes == g.tensors[t].nbytes:
+                    level.last_use[x] = i - 1
+                    break
+
+
+def peak(g, level: Level, exclude: set[int]) -> list[int]:
+    """The live set of the level's fullest point, counted with every tensor replicated."""
+    best, best_bytes = [], -1
+    for live in live_sets(g, level):
+        live = [t for t in live if t not in exclude]
+        n = sum(g.tensors[t].nbytes for t in live)
+        if n > best_bytes:
+            best, best_bytes = live, n
+    return best
+
+
+def live_sets(g, level: Level):
+    live: set[int] = set()
+    for i, defined in enumerate(level.defined):
+        live.update(t for t in defined if t in level.last_use)
+        yield sorted(live) + level.inner_peak.get(i, [])
+        live = {t for t in live if level.last_use.get(t, -1) > i}
+
+
+def checkpoints(g, level: Level, always: set[int], num_points: int) -> list[list[int]]:
+    """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
+    and constants, counted apart), fullest first."""
+    scored = []
+    for live in live_sets(g, level):
+        live = [t for t in live if t not in always]
+        scored.append((sum(g.tensors[t].nbytes for t in live), live))
+    scored.sort(key=lambda x: -x[0])
+    seen, points = set(), []
+    for _, live in scored:
+        key = tuple(live)
+        if key not in seen:
+            seen.add(key)
+            points.append(live)
+        if len(points) >= num_points:
+            break
+    return points or [[]]

@@ -1,0 +1,235 @@
+"""Walking a traced step's jaxpr into a :class:`~shardplan.graph.Graph`.
+
+Every equation is visited once, recursing into ``pjit``, ``remat``, ``custom_jvp``/``custom_vjp``
+bodies (inlined, as XLA inlines them) and into ``scan``, ``while`` and ``cond`` bodies (walked
+once; a scan body's tensors carry its trip count). Each equation's rule (:mod:`shardplan.rules`)
+relates its operands' and results' dimensions; :mod:`shardplan.liveness` records when each
+tensor is live. Equations and tensors are named by stable paths (:func:`eqn_path`): tracing the
+same step again gives the same names, which is how a saved plan finds its tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.extend import core as jcore
+
+from shardplan.graph import Graph
+from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, peak
+
+CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
+                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+
+
+_LIBRARY_DIRS = tuple(f"{os.sep}{d}{os.sep}" for d in ("flax", "optax", "jax", "jaxlib"))
+
+
+def source_of(eqn, inherited: str = "") -> str:
+    """``file:line (function)`` of the innermost frame of the user's code that made ``eqn``
+    (outside jax, flax and optax), else of its innermost frame; ``inherited`` (the enclosing
+    call's) where the eqn carries no traceback, as the bodies of jax.numpy's own jitted functions."""
+    try:
+        from jax._src import source_info_util
+        for frame in source_info_util.user_frames(eqn.source_info.traceback):
+            if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+        return inherited or source_info_util.summarize(eqn.source_info) or "<unknown source>"
+    except Exception:  # the summary is a nicety; an internal API change must not break planning
+        return inherited or "<unknown source>"
+
+
+def _name_of(eqn) -> str:
+    """The Flax module path (JAX's name stack) and the primitive."""
+    stack = str(getattr(eqn.source_info, "name_stack", "") or "")
+    return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
+
+
+def eqn_path(prefix: str, index: int, eqn) -> str:
+    """A stable name for an equation: its position in its jaxpr and its primitive, after the path
+    of the enclosing equation whose body that jaxpr is: ``"12.scan/3.dot_general"``. Tracing the
+    same step again gives the same paths; its tensors are ``"<eqn path>:<output index>"``, the
+    step's arguments ``"in:<k>"``, a scan body's arguments ``"<eqn path>/in:<k>"``."""
+    return f"{prefix}{index}.{eqn.primitive.name}"
+
+
+def body_prefix(here: str, eqn, branch: int = 0) -> str:
+    """The path prefix of an equation's body (a call's, a loop's, a cond branch's)."""
+    return f"{here}/b{branch}/" if eqn.primitive.name == "cond" else f"{here}/"
+
+
+def sub_jaxpr(eqn) -> tuple[Any, list]:
+    """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
+    for value in eqn.params.values():
+        jaxpr = getattr(value, "jaxpr", value)
+        if isinstance(jaxpr, jcore.Jaxpr) and len(jaxpr.invars) == len(eqn.invars) \
+                and len(jaxpr.outvars) == len(eqn.outvars):
+            return jaxpr, list(getattr(value, "consts", []))
+    raise ValueError(f"cannot find the body of {eqn.primitive.name}")
+
+
+class _Walker:
+    def __init__(self, graph: Graph, rules: Callable):
+        self.g = graph
+        self.rules = rules
+
+    def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: Level | None = None,
+             const_tids: list[int] | None = None, inline: bool = False) -> list[int | None]:
+        """Walk ``jaxpr`` whose invars are ``in_tids``; return the tensors of its outvars.
+
+        Calls (``pjit``, ``custom_jvp_call``, ``remat`` ...) are walked ``inline``, into the
+        caller's level: XLA inlines them, so their ops fuse and free memory as the caller's do.
+        """
+        g = self.g
+        env: dict[Any, int | None] = {}
+        for k, v in enumerate(jaxpr.constvars):
+            env[v] = const_tids[k] if const_tids is not None else \
+                g.new_tensor(v.aval, "constant", "activation", "closure constant", mult, f"{g.prefix}const:{k}")
+        for v, t in zip(jaxpr.invars, in_tids):
+            env[v] = t
+        level = Level() if level is None else level
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return None
+            return env.get(v)
+
+        prefix = g.prefix
+        for position, eqn in enumerate(jaxpr.eqns):
+            i = len(level.defined)          # this eqn's position in the level's schedule
+            ins = [read(v) for v in eqn.invars]
+            for t in ins:
+                if t is not None:
+                    level.last_use[t] = i
+            prim = eqn.primitive.name
+            here = eqn_path(prefix, position, eqn)
+            if prim in CALL_PRIMITIVES:
+                body, _ = sub_jaxpr(eqn)
+                outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
+                g.prefix = body_prefix(here, eqn)
+                for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):
+                    env[v] = t
+                g.call_source, g.prefix = outer, prefix
+                continue
+            if prim in ("scan", "while", "cond"):
+                outs = self._structured(eqn, ins, mult, level, i, here)
+                g.prefix = prefix
+            else:
+                outs = self._fresh(mult, eqn, here)
+                self.rules(g, eqn, ins, outs, mult)
+                for k, t in enumerate(ins):
+                    if t is not None:
+                        g.eqn_inputs[(here, k)] = t
+                if prim in IN_PLACE and ins[0] in level.made_by:
+                    # The result takes over the operand's buffer (XLA updates it in place when
+                    # nothing reads the operand later; a later reader moves its last use on again).
+                    level.last_use[ins[0]] = i - 1
+                for t in outs:
+                    level.made_by[t] = (prim, [x for x in ins if x is not None])
+            for t in ins:
+                if t is not None:
+                    g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))
+            for v, t in zip(eqn.outvars, outs):
+                env[v] = t
+            level.defined.append([t for t in outs if t is not None])
+        outs = [read(v) for v in jaxpr.outvars]
+        if inline:
+            return outs
+        for t in outs:
+            if t is not None:
+                level.last_use[t] = len(level.defined)
+        fuse(g, level, set(outs))
+        return outs
+
+    def _fresh(self, mult: float, eqn, here: str) -> list[int]:
+        src = source_of(eqn, self.g.call_source)
+        return [self.g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult, f"{here}:{j}")
+                for j, v in enumerate(eqn.outvars)]
+
+    def _inner(self, body, body_in: list[int | None], mult: float, level: Level, i: int):
+        inner = Level()
+        outs = self.walk(body, body_in, mult, inner)
+        # Body inputs and outputs are the eqn's operands and results, counted at this level (XLA
+        # writes a scan's per-trip outputs into the stacked result in place).
+        level.inner_peak[i] = peak(self.g, inner, set(body_in) | set(outs))
+        return outs
+
+    def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
+        g, prim = self.g, eqn.primitive.name
+        outs = self._fresh(mult, eqn, here)
+        g.prefix = body_prefix(here, eqn)
+        if prim == "scan":
+            p = eqn.params
+            body = p["jaxpr"].jaxpr
+            nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+            body_in = []
+            for k, (v, t) in enumerate(zip(body.invars, ins)):
+                bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn, g.call_source),
+                                  mult * length, f"{g.prefix}in:{k}")
+                if k < nc + nk:
+                    g.union(t, bt)
+                elif t is not None and g.tensors[t].rank:
+                    g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
+                    g.pin(t, 0)
+                body_in.append(bt)
+            outer, g._loops = g.current_loop, g._loops + 1
+            g.current_loop = g._loops
+            for bt in body_in:
+                g.loop_of[bt] = g.current_loop
+            body_out = self._inner(body, body_in, mult * length, level, i)
+            g.current_loop = outer
+            for k, (bt, t) in enumerate(zip(body_out, outs)):
+                if bt is None:
+                    continue
+                if k < nk:
+                    g.union(bt, body_in[nc + k])
+                    g.union(bt, t)
+                    g.union(t, ins[nc + k])
+                elif g.tensors[t].rank:
+                    g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
+                    g.pin(t, 0)
+                    g.stacked[bt] = length
+        elif prim == "while":
+            p = eqn.params
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            carry_in = ins[cn + bn:]
+            body_in = ins[cn:cn + bn] + carry_in
+            # The trip count is unknown before running: the body is priced once.
+            body_out = self._inner(p["body_jaxpr"].jaxpr, body_in, mult, level, i)
+            for bt, t, c in zip(body_out, outs, carry_in):
+                g.union(bt, t)
+                g.union(t, c)
+        elif prim == "cond":
+            for b, branch in enumerate(eqn.params["branches"]):
+                g.prefix = body_prefix(here, eqn, b)
+                branch_out = self._inner(branch.jaxpr, ins[1:], mult, level, i)
+                for bt, t in zip(branch_out, outs):
+                    g.union(bt, t)
+        return outs
+
+
+def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12,
+                ties: Sequence[tuple[int, int]] = ()) -> Graph:
+    """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths);
+    each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew)."""
+    g = Graph()
+    jaxpr = closed_jaxpr.jaxpr
+    ins = [g.new_tensor(v.aval, name, "input", name, 1.0, f"in:{k}")
+           for k, (v, name) in enumerate(zip(jaxpr.invars, input_names))]
+    g.inputs = ins
+    walker = _Walker(g, rules)
+    level = Level()
+    consts = [g.new_tensor(v.aval, "constant", "input", "closure constant", 1.0, f"const:{k}")
+              for k, v in enumerate(jaxpr.constvars)]
+    outs = walker.walk(jaxpr, ins, 1.0, level, const_tids=consts)
+    for t in outs:
+        if t is not None and g.tensors[t].role == "activation":
+            g.tensors[t].role = "output"
+    g.outputs = outs
+    for i, j in ties:
+        a, b = ins[i], outs[j]
+        if b is not None and g.tensors[a].shape == g.tensors[b].shape:
+            g.union(a, b)
+    g.points = checkpoints(g, level, set(consts + ins), num_points)
+    return g
