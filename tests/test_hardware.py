@@ -83,10 +83,16 @@ def test_a_mesh_of_four_devices_plans_and_runs():
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=jax.devices()[:4])
     state, x = {"w": jnp.ones((16, 8)) * 0.1}, jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16) / 1000
-    expected = jax.jit(_step)(state, x)[1]
-    f = shardplan.auto(_step, mesh=mesh, donate_argnums=0, time_limit=2)
+    plain, expected = state, []
     for _ in range(3):
-        state, loss = f(jax.tree.map(jnp.copy, state), x)
+        plain, loss = jax.jit(_step)(plain, x)
+        expected.append(float(loss))
+    f = shardplan.auto(_step, mesh=mesh, donate_argnums=0, time_limit=2)
+    losses = []
+    for _ in range(3):
+        state, loss = f(state, x)
+        losses.append(float(loss))
+    assert losses == pytest.approx(expected, rel=1e-6)
     assert f.mesh_spec.num_devices == 4 and f.mesh_spec.device == shardplan.load_mesh("cpu-8").device
     assert f._last.mesh is mesh
 
