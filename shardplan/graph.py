@@ -185,7 +185,8 @@ class Graph:
         if key not in self._warned:
             self._warned.add(key)
             self.warnings.append(message)
-            warnings.warn(message, stacklevel=3)
+            if jax.process_index() == 0:       # under jax.distributed, said once, by process 0
+                warnings.warn(message, stacklevel=3)
 
     # -- queries -------------------------------------------------------------------------------
     def group_of(self, tid: int) -> int:

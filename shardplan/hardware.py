@@ -69,7 +69,7 @@ def spec_for_mesh(mesh: jax.sharding.Mesh, hardware=None) -> MeshSpec:
         preset = preset_for_kind(kind)
         if preset is None:
             preset = "cpu-8"
-            if kind not in _warned:
+            if kind not in _warned and jax.process_index() == 0:     # said once, by process 0
                 _warned.add(kind)
                 warnings.warn(f"shardplan: no preset describes device kind {kind!r}; pricing it as a CPU. "
                               "Measure it with `shardplan mesh calibrate --out mine.toml` and pass "
