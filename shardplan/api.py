@@ -17,7 +17,7 @@ from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.walk import build_graph
-from shardplan.multihost import check_given_plan, share_plan
+from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.hardware import spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh
 from shardplan.plan import Plan
@@ -85,7 +85,7 @@ def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):
     """A given plan checked against a traced step and bound to its pytree structures; with the
     step's graph (its tensor paths are the plan's)."""
     graph = build_graph(traced.closed, traced.names, apply_rule, ties=traced.state_pairs)
-    problem = plan.mismatch(plan_signature(graph), traced.names, str(traced.arg_tree))
+    problem = plan.mismatch(plan_signature(graph), traced.names)
     if problem:
         raise PlanMismatchError(f"{source} does not match this step: {problem}. Plan the step again "
                                 "(shardplan.plan / shardplan.auto without plan=)")
@@ -169,7 +169,7 @@ class AutoFunction:
             traced = trace_step(self.fn, args, kwargs, self.call)
             if self.given is not None:
                 check_given_plan(self.given)
-                plan, graph = bind_plan(self.given, traced, self._source)
+                plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
             else:
                 plan, graph = share_plan(lambda: _plan_traced(traced, self.mesh_spec, self.budget, self.options,
                                                               self.cache),

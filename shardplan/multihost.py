@@ -82,13 +82,37 @@ def share_plan(make: Callable[[], tuple[Plan, object]], bind: Callable[[Plan], t
             _broadcast_bytes(_FAILED + f"{type(e).__name__}: {e}".encode())
             raise
         _broadcast_bytes(plan.to_json().encode())
+        bound_everywhere(lambda: None)
     else:
         data = _broadcast_bytes(None)
         if data.startswith(_FAILED):
             raise ShardplanError(f"process 0 could not plan the step: {data[len(_FAILED):].decode()}")
-        plan, graph = bind(Plan.from_json(data.decode(), source="the plan from process 0"))
+        plan, graph = bound_everywhere(lambda: bind(Plan.from_json(data.decode(),
+                                                                   source="the plan from process 0")))
     _check_same(plan)
     return plan, graph
+
+
+def bound_everywhere(bind: Callable):
+    """``bind()`` (a plan checked against this process's trace) on every process; if it fails on
+    any, every process raises (the failing ones their own error), instead of the others waiting
+    in the step's first collective for ever."""
+    if jax.process_count() == 1:
+        return bind()
+    from jax.experimental import multihost_utils
+    error = None
+    try:
+        result = bind()
+    except ShardplanError as e:
+        error, result = e, None
+    ok = np.asarray(multihost_utils.process_allgather(np.array([error is None], dtype=np.uint8))).ravel()
+    if error is not None:
+        raise error
+    failed = [p for p in range(len(ok)) if not ok[p]]
+    if failed:
+        raise PlanMismatchError(f"process(es) {failed} could not use the plan (their own error says why); "
+                                f"process {jax.process_index()} stops too")
+    return result
 
 
 def _check_same(plan: Plan) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,8 +214,8 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanFileError(f"{source}: not valid JSON (truncated?): {e.msg} at line {e.lineno} "
-                                f"column {e.colno}") from None
+            raise PlanFileError(f"{source}: not valid JSON (truncated?): {e.msg} (line {e.lineno}, "
+                                f"column {e.colno})") from None
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise PlanFileError(f"{source}: not a shardplan plan (format {found!r}, expected {PLAN_FORMAT!r})")
@@ -277,6 +278,12 @@ class Plan:
                 return f"{name}: a mesh axis appears twice in its PartitionSpec {spec}"
             if shape is not None and len(spec) != len(shape):
                 return f"{name}: PartitionSpec {spec} has {len(spec)} entries for a rank-{len(shape)} tensor"
+            sizes = dict(zip(self.axis_names, self.axis_sizes))
+            for d, (n, axes) in enumerate(zip(shape or (), spec)):
+                parts = math.prod(sizes[a] for a in axes)
+                if n % parts:
+                    return f"{name}: PartitionSpec {spec} splits dimension {d} (size {n}) in {parts}, " \
+                           "which does not divide it"
         return ""
 
     def save(self, path: str) -> None:
@@ -291,6 +298,9 @@ class Plan:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self.to_json())
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)          # as open() would make it (mkstemp makes it 0600)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -320,18 +330,17 @@ class Plan:
         """Tensor path -> spec, for every tensor the plan names."""
         return {r.path: r.spec for r in (*self.inputs, *self.outputs, *self.activations) if r.path}
 
-    def mismatch(self, signature: Sequence[str], input_names: Sequence[str], in_tree: str) -> str:
-        """What differs between this plan and a traced step (its :data:`signature`, flat input
-        names and argument structure), or ``""`` if nothing does."""
+    def mismatch(self, signature: Sequence[str], input_names: Sequence[str]) -> str:
+        """What differs between this plan and a traced step (its :data:`signature` and flat input
+        names: the leaves' pytree paths), or ``""`` if nothing does. The pytree nodes themselves
+        are not compared: their static fields (a ``TrainState``'s ``apply_fn`` and ``tx``) print
+        differently in every process, and the leaves are matched by path."""
         names = [r.name for r in self.inputs]
         if list(input_names) != names:
             for k, (a, b) in enumerate(zip(names, input_names)):
                 if a != b:
                     return f"input {k} is {b} in the step, {a} in the plan"
             return f"the step has {len(input_names)} input leaves, the plan {len(names)}"
-        tree = self.trees[0] if self.in_tree is None else str(self.in_tree)
-        if tree and in_tree and tree != in_tree:
-            return f"the arguments' pytree structure differs: {in_tree} in the step, {tree} in the plan"
         if fingerprint(list(signature)) == self.fingerprint:
             return ""
         by_input = {f"in:{k}": n for k, n in enumerate(names)}

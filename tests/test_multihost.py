@@ -84,6 +84,15 @@ def test_different_plans_on_two_processes_fail_fast(single, tmp_path):
     assert wall < 60
 
 
+def test_a_step_that_differs_on_one_process_fails_on_both_in_seconds(tmp_path):
+    """Process 1 traces another batch size than process 0 planned for: it cannot use the plan,
+    and process 0 stops too instead of waiting in the step's first collective."""
+    results, wall, _ = _run_two(tmp_path, ["plan", "plan-batch:4"], timeout=120)
+    assert "does not match this step" in results[1].get("error", ""), results[1]
+    assert "could not use the plan" in results[0].get("error", ""), results[0]
+    assert wall < 60
+
+
 def test_calibration_under_two_processes_writes_one_file_from_process_0(tmp_path):
     """Each process times its own device; the axis across processes is measured between them."""
     import tomllib
