@@ -123,7 +123,7 @@ class Graph:
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []
         self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
-        self.by_path: dict[str, int] = {}                   # tensor path -> tensor
+        self._paths: set[str] = set()                       # every tensor's path, each once
         self.prefix = ""           # the path of the jaxpr being walked (see eqn_path)
         self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
@@ -143,9 +143,9 @@ class Graph:
         tid = len(self.tensors)
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
         dtype, is_key = storage_dtype(getattr(aval, "dtype", np.float32))
-        if path in self.by_path:
+        if path in self._paths:
             raise AssertionError(f"two tensors at path {path}")
-        self.by_path[path] = tid
+        self._paths.add(path)
         self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult, path))
         self.loop_of.append(self.current_loop)
         self._groups.add()

@@ -1,5 +1,6 @@
 """The seam for strategies that emit another computation: a vocabulary-parallel embedding lookup."""
 
+import json
 import re
 
 import jax
@@ -45,6 +46,11 @@ def test_a_row_split_table_is_looked_up_in_place_and_summed():
     # The rewrite travels with a saved plan.
     again = shardplan.Plan.from_json(f.plan.to_json())
     assert again.rewrites == rewrites and again.digest() == f.plan.digest()
+    # A plan file naming a rewrite this shardplan does not know is refused, naming the kind.
+    data = json.loads(f.plan.to_json())
+    next(iter(data["rewrites"].values()))["kind"] = "ring-attention"
+    with pytest.raises(shardplan.PlanFileError, match="unknown kind 'ring-attention'"):
+        shardplan.Plan.from_json(json.dumps(data), source="edited.json")
 
 
 def test_the_rewrite_is_chosen_because_it_is_cheaper(monkeypatch):
