@@ -23,6 +23,7 @@ from shardplan.mesh import MeshSpec, load_mesh
 from shardplan.plan import Plan
 from shardplan.plan import signature as plan_signature
 from shardplan.planner import PlannerOptions, plan_jaxpr
+from shardplan.progress import Status
 from shardplan.rules import apply_rule
 from shardplan.sizes import parse_bytes
 from shardplan.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
@@ -104,6 +105,7 @@ class _Compiled:
         flat_donate = tuple(i for i, d in enumerate(traced.donated) if d)
         self.jitted = jax.jit(run, in_shardings=self.in_shardings, out_shardings=out_sh,
                               donate_argnums=flat_donate, **jit_kwargs)
+        self._executable = None
 
     def placed(self, leaves: list) -> list:
         """The leaves on their planned shardings: arrays made elsewhere (on one device, or by
@@ -127,9 +129,20 @@ class _Compiled:
             out.append(x)
         return out
 
+    def executable(self, leaves: list):
+        """The compiled step, compiled on the first call with a status line (XLA's compile of a
+        large step takes a while: it is the last stage a user waits for)."""
+        if self._executable is None:
+            with Status() as line:
+                line.say("compiling the planned step")
+                start = time.perf_counter()
+                self._executable = self.jitted.lower(*leaves).compile()
+                line.done(f"compiled in {time.perf_counter() - start:.1f} s")
+        return self._executable
+
     def __call__(self, call: CallSpec, args, kwargs):
         leaves = self.placed(self.traced.flat_args(call, args, kwargs))
-        return jax.tree_util.tree_unflatten(self.traced.out_tree, self.jitted(*leaves))
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, self.executable(leaves)(*leaves))
 
 
 class AutoFunction:

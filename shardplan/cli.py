@@ -199,8 +199,13 @@ def _cmd_audit(args) -> int:
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
                        time_limit=args.time_limit)
+    from shardplan.progress import Status
     with _interruptible():
-        compiled = f.lower(state, batch).compile()
+        lowered = f.lower(state, batch)
+        with Status() as line:
+            line.say("compiling the planned step")
+            compiled = lowered.compile()
+            line.done("compiled")
         report = f.plan.audit(compiled)
     print(report.table())
     return 1 if report.divergences() else 0

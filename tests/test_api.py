@@ -5,6 +5,7 @@ import os
 import typing
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -167,7 +168,43 @@ def test_in_shardings_mirror_the_positional_arguments(tmp_path):
 
 def test_a_python_scalar_step_counter_compiles_once(tmp_path):
     f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=tmp_path)
-    state = _state()                                  # "step": 0, a Python int
-    for _ in range(3):
-        state, _ = f(state, _batch())
-    assert len(f._cache) == 1 and f._last.jitted._cache_size() == 1
+    state, batches = _state(), [_batch() for _ in range(3)]     # "step": 0, a Python int
+    compiles = []
+    listener = lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, _ = f(state, batches[0])            # plans and compiles
+        before = len(compiles)
+        for batch in batches:
+            state, _ = f(state, batch)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(f._cache) == 1 and before >= 1 and len(compiles) == before
+
+
+def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path, monkeypatch):
+    import io
+    from shardplan import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for terminal, ci in ((True, None), (True, "true"), (False, None)):
+        err = Terminal() if terminal else io.StringIO()
+        monkeypatch.setattr("sys.stderr", err)
+        if ci:
+            monkeypatch.setenv("CI", ci)
+        else:
+            monkeypatch.delenv("CI", raising=False)
+        f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=False)
+        f(_state(), _batch())
+        text = err.getvalue()
+        if terminal and not ci:
+            stages = ["tracing _mixed_precision_step", "traced:", "solving", "planned:", "compiling the planned step",
+                      "compiled in"]
+            at = [text.find(s) for s in stages]
+            assert -1 not in at and at == sorted(at), text
+            assert progress.wanted(err)
+        else:
+            assert "shardplan" not in text, text
