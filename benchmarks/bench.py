@@ -12,8 +12,8 @@ device from ``memory_analysis``, collective count and bytes, and the planner's s
 cell the ratio planner / best baseline that fits the budget. Tiny cells also execute on 8 fake
 CPU devices and report the measured step time (labelled CPU).
 
-Budgets: ``hbm`` is the device's memory; ``tight`` is 85% of the memory per device of the
-data-parallel plan's compiled program (the usual starting point no longer fits; where DP cannot
+Budgets: ``hbm`` is what a program may allocate on the device (``Device.budget_bytes``);
+``tight`` is 85% of the memory per device of the data-parallel plan's compiled program (the usual starting point no longer fits; where DP cannot
 run, halfway between the planner's leanest plan and its plan under ``hbm``); ``infeasible`` is
 1% of the planner's peak (the planner must say so and name the smallest budget that works). Output: a markdown table (stdout and ``OUT/matrix.md``),
 ``OUT/results.csv`` and ``OUT/results.json``, and with ``--plots`` PNG figures (matplotlib).
@@ -172,7 +172,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     traced = trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,)))
     closed, names, arg_of, donated = traced.closed, traced.names, traced.arg_of, traced.donated
     pairs = traced.state_pairs    # state leaves leave as they came: the plan a user's loop runs
-    hbm = mesh_spec.device.hbm_bytes
+    hbm = mesh_spec.device.budget_bytes
     options = PlannerOptions(time_limit=time_limit)
     flat_avals = jax.tree.leaves((state, batch))
 

@@ -41,8 +41,9 @@ def _mesh_spec(mesh, hardware=None) -> MeshSpec:
 
 
 def _budget(memory_budget, mesh_spec: MeshSpec) -> int:
-    """Bytes per device: the given budget, or the device's HBM."""
-    return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.hbm_bytes
+    """Bytes per device: the given budget, or what a program may allocate on the device
+    (:attr:`~shardplan.mesh.Device.budget_bytes`)."""
+    return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.budget_bytes
 
 
 def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions, cache=True):

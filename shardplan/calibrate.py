@@ -129,7 +129,8 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
     device = Device(name=str(getattr(dev, "device_kind", dev.platform)),
                     peak_flops={k: float(v) for k, v in peak.items()},
                     hbm_bytes=spec.device.hbm_bytes, hbm_bandwidth=float(hbm_bandwidth),
-                    heap_overhead=spec.device.heap_overhead)
+                    heap_overhead=spec.device.heap_overhead, usable_bytes=spec.device.usable_bytes,
+                    allocator_fraction=spec.device.allocator_fraction)
     out = dataclasses.replace(spec, name=name or f"calibrated-{dev.platform}-{len(devices)}", device=device,
                               source=f"measured by shardplan mesh calibrate on {len(devices)} x {device.name}; "
                                      f"memory size and topology from {spec.name}")

@@ -239,7 +239,9 @@ def _cmd_mesh(args, extra: list[str]) -> int:
     cut = m.inter_node_link if nodes > 1 else m.intra_node_link
     print(json.dumps({"name": m.name, "device": m.device.name, "peak_flops": dict(m.device.peak_flops),
                       "hbm_bytes": m.device.hbm_bytes, "hbm_bandwidth": m.device.hbm_bandwidth,
-                      "heap_overhead": m.device.heap_overhead, "devices": m.num_devices,
+                      "heap_overhead": m.device.heap_overhead, "usable_bytes": m.device.usable_bytes,
+                      "allocator_fraction": m.device.allocator_fraction,
+                      "default_memory_budget": m.device.budget_bytes, "devices": m.num_devices,
                       "devices_per_node": m.devices_per_node, "nodes": nodes,
                       "bisection_bandwidth": m.num_devices / 2 * cut.bandwidth,
                       "axes": [{"name": a.name, "size": a.size, "link": a.link.name, "bandwidth": a.link.bandwidth,

@@ -12,6 +12,7 @@ name, a mesh file or a :class:`~shardplan.mesh.MeshSpec`) overrides the figures.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 
@@ -93,4 +94,15 @@ def spec_for_mesh(mesh: jax.sharding.Mesh, hardware=None) -> MeshSpec:
     axes = tuple(Axis(n, s, base.inter_node_link if c else base.intra_node_link)
                  for n, s, c in zip(names, sizes, crosses))
     name = base.name if base.num_devices == len(devices) else f"{base.name}-as-{len(devices)}"
-    return dataclasses.replace(base, name=name, axes=axes, devices_per_node=per_node)
+    device = base.device
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if platform == "gpu" and fraction:
+        # This process's allocator hands out that share of each device: the default budget follows.
+        try:
+            share = float(fraction)
+        except ValueError:
+            share = 0.0
+        if not 0 < share <= 1:
+            raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a fraction above 0 and at most 1")
+        device = dataclasses.replace(device, allocator_fraction=share)
+    return dataclasses.replace(base, name=name, axes=axes, devices_per_node=per_node, device=device)

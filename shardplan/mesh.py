@@ -54,6 +54,12 @@ class Device:
     ``host_bandwidth``: bytes/s one host's input pipeline delivers to its devices; each host loads
     its share of every step's input (the batch) at that rate (see
     :meth:`MeshSpec.node_shards`).
+
+    ``usable_bytes``: the memory the runtime reports for the device (below ``hbm_bytes``: the
+    driver keeps some; an H100 80GB reports 84,929,347,584 of 85,899,345,920 bytes);
+    ``allocator_fraction``: the share of it the framework's allocator hands to programs (JAX on
+    GPUs: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set). The default per-device budget is
+    their product, :attr:`budget_bytes`.
     """
 
     name: str
@@ -62,6 +68,13 @@ class Device:
     hbm_bandwidth: float
     heap_overhead: float = DEFAULT_HEAP_OVERHEAD
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    usable_bytes: int | None = None
+    allocator_fraction: float = 1.0
+
+    @property
+    def budget_bytes(self) -> int:
+        """The default memory budget: what a program may really allocate on one device."""
+        return int((self.usable_bytes or self.hbm_bytes) * self.allocator_fraction)
 
     def flops_for(self, dtype_name: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype_name``; unknown dtypes use the float32 rate."""
@@ -164,7 +177,8 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
-_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead", "host_bandwidth"}
+_DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead", "host_bandwidth",
+                "usable_bytes", "allocator_fraction"}
 _REQUIRED_DEVICE_KEYS = ("name", "peak_flops", "hbm_bytes", "hbm_bandwidth")
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
@@ -270,10 +284,20 @@ def _device(dev: Any, problems: _Problems) -> Device | None:
         if "hbm_bandwidth" in dev else None
     heap = _fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", problems)
     host = _positive(dev.get("host_bandwidth", DEFAULT_HOST_BANDWIDTH), "device.host_bandwidth", problems)
-    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap, host):
+    usable = _positive(dev["usable_bytes"], "device.usable_bytes", problems, int) if "usable_bytes" in dev else 0
+    if usable and hbm_bytes and usable > hbm_bytes:
+        problems.add("device.usable_bytes", f"must be at most device.hbm_bytes ({hbm_bytes}), got {usable}")
+        usable = None
+    fraction = dev.get("allocator_fraction", 1.0)
+    if not _is_number(fraction) or not 0 < fraction <= 1:
+        problems.add("device.allocator_fraction", "must be a fraction above 0 and at most 1 (JAX on GPUs: 0.75, "
+                     f"its XLA_PYTHON_CLIENT_MEM_FRACTION default), got {fraction!r}")
+        fraction = None
+    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap, host, usable, fraction):
         return None
     return Device(name=str(dev["name"]), peak_flops=peak, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bandwidth,
-                  heap_overhead=heap, host_bandwidth=host)
+                  heap_overhead=heap, host_bandwidth=host, usable_bytes=usable or None,
+                  allocator_fraction=float(fraction))
 
 
 def _links(raw: Any, problems: _Problems) -> tuple[dict[str, Link], list | None]:
@@ -472,6 +496,9 @@ def to_toml(spec: MeshSpec) -> str:
              f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s",
              f"heap_overhead = {float(d.heap_overhead)!r}  # fraction XLA's heap adds to live temporaries",
              f"host_bandwidth = {float(d.host_bandwidth)!r}  # bytes/s a host's input pipeline feeds its devices",
+             *([f"usable_bytes = {int(d.usable_bytes)}  # bytes the runtime reports for one device"]
+               if d.usable_bytes else []),
+             f"allocator_fraction = {float(d.allocator_fraction)!r}  # share of them the allocator hands out",
              ""]
     for name, link in links.items():
         lines += [f"[links.{name}]",

@@ -43,6 +43,25 @@ def test_axes_across_hosts_ride_the_inter_node_link():
     assert spec.devices_per_node == 8 and spec.num_devices == 32
 
 
+def test_the_default_budget_is_what_the_allocator_hands_out(monkeypatch):
+    h100 = shardplan.load_mesh("h100-8").device
+    # CUDA reports 84,929,347,584 bytes of an H100 80GB; JAX's allocator takes 75% unless told.
+    assert h100.usable_bytes == 84929347584 < h100.hbm_bytes
+    assert h100.budget_bytes == int(84929347584 * 0.75)
+    assert shardplan.load_mesh("cpu-8").device.budget_bytes == shardplan.load_mesh("cpu-8").device.hbm_bytes
+    mesh = _fake_mesh("NVIDIA H100 80GB HBM3", "gpu", (8,), ("data",), lambda idx: 0)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert hardware.spec_for_mesh(mesh).device.budget_bytes == h100.budget_bytes
+    # This process's allocator share is the one its plan runs under.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")
+    assert hardware.spec_for_mesh(mesh).device.budget_bytes == int(84929347584 * 0.95)
+    tpu = _fake_mesh("TPU v5 lite", "tpu", (8,), ("data",), lambda idx: 0)
+    assert hardware.spec_for_mesh(tpu).device.allocator_fraction == 1.0      # a GPU allocator's variable
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
+    with pytest.raises(ValueError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION='1.5' is not a fraction"):
+        hardware.spec_for_mesh(mesh)
+
+
 def test_tpu_axes_cross_slices_not_hosts():
     mesh = _fake_mesh("TPU v5 lite", "tpu", (2, 16), ("dcn", "ici"), lambda idx: idx[0])
     spec = hardware.spec_for_mesh(mesh)

@@ -114,3 +114,26 @@ def test_a_file_that_is_not_text_is_named(tmp_path):
         load_mesh(str(path))
     with pytest.raises(MeshConfigError, match=rf"^{tmp_path}: cannot be read: Is a directory"):
         load_mesh(str(tmp_path))
+
+
+@pytest.mark.parametrize("device, match", [
+    ({"usable_bytes": 2**31}, r"\[device.usable_bytes\] must be at most device.hbm_bytes \(1073741824\), got 2147483648"),
+    ({"usable_bytes": 0}, r"\[device.usable_bytes\] must be a positive number, got 0"),
+    ({"allocator_fraction": 0}, r"\[device.allocator_fraction\] must be a fraction above 0 and at most 1"),
+    ({"allocator_fraction": 1.2}, r"\[device.allocator_fraction\] must be a fraction above 0 and at most 1")])
+def test_usable_memory_keys_are_checked(device, match):
+    data = _good()
+    data["device"].update(device)
+    with pytest.raises(MeshConfigError, match=match):
+        mesh_from_dict(data)
+
+
+def test_usable_memory_sets_the_default_budget_and_round_trips(tmp_path):
+    from shardplan.mesh import to_toml
+    data = _good()
+    data["device"].update(usable_bytes=2**29, allocator_fraction=0.5)
+    spec = mesh_from_dict(data)
+    assert spec.device.budget_bytes == 2**28
+    path = tmp_path / "m.toml"
+    path.write_text(to_toml(spec))
+    assert load_mesh(str(path)).device == spec.device
