@@ -18,14 +18,15 @@ from shardplan.apply import constrained_function
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.walk import build_graph
 from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
-from shardplan.hardware import spec_for_mesh
+from shardplan.fit import fit_compiled
+from shardplan.hardware import runs_on, spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh
 from shardplan.plan import Plan
 from shardplan.plan import signature as plan_signature
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status
 from shardplan.rules import apply_rule
-from shardplan.sizes import parse_bytes
+from shardplan.sizes import format_bytes, parse_bytes
 from shardplan.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
 
 
@@ -98,7 +99,7 @@ class _Compiled:
     """One traced signature: its plan and the jitted planned function."""
 
     def __init__(self, traced: TracedStep, plan: Plan, graph, mesh: jax.sharding.Mesh, jit_kwargs: dict):
-        self.traced, self.plan, self.mesh = traced, plan, mesh
+        self.traced, self.plan, self.mesh, self.graph = traced, plan, mesh, graph
         run = constrained_function(traced.closed, graph, plan.specs_by_tensor(), plan.dot_operands, mesh,
                                    plan.operand_pins, plan.result_pins, plan.rewrites)
         self.in_shardings = Plan.flat_shardings(plan.inputs, mesh)
@@ -132,7 +133,8 @@ class _Compiled:
 
     def executable(self, leaves: list):
         """The compiled step, compiled on the first call with a status line (XLA's compile of a
-        large step takes a while: it is the last stage a user waits for)."""
+        large step takes a while: it is the last stage a user waits for). ``leaves`` may be
+        arrays or ``jax.ShapeDtypeStruct``."""
         if self._executable is None:
             with Status() as line:
                 line.say("compiling the planned step")
@@ -184,14 +186,44 @@ class AutoFunction:
             if self.given is not None:
                 check_given_plan(self.given)
                 plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
-            else:
-                plan, graph = share_plan(lambda: _plan_traced(traced, self.mesh_spec, self.budget, self.options,
-                                                              self.cache),
-                                         lambda p: bind_plan(p, traced, "the plan from process 0"))
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
-            self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
+            if self.given is None:
+                self._cache[key] = self._planned(traced, mesh, [abstract_leaf(x) for x in
+                                                                traced.flat_args(self.call, args, kwargs)])
+            else:
+                self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
         self._last = self._cache[key]
         return self._last
+
+    def _planned(self, traced: TracedStep, mesh: jax.sharding.Mesh, abstract: list) -> _Compiled:
+        """Plan and, where the mesh's devices are the hardware the plan is priced for, compile
+        at once and hold the budget on the compiled program (:func:`shardplan.fit.fit_compiled`)."""
+        def plan_for(budget: int):
+            return share_plan(lambda: _plan_traced(traced, self.mesh_spec, budget, self.options, self.cache),
+                              lambda p: bind_plan(p, traced, "the plan from process 0"))
+
+        if not runs_on(self.mesh_spec, mesh):
+            # Planned for other hardware than it is lowered on (an H100 plan on fake CPU devices):
+            # this compiler's bytes are not the target's.
+            return _Compiled(traced, *plan_for(self.budget), mesh, self.jit_kwargs)
+
+        def compile_plan(made):
+            c = _Compiled(traced, *made, mesh, self.jit_kwargs)
+            return c, c.executable(abstract)
+
+        def say(text):
+            with Status() as line:
+                line.done(text)
+
+        (plan, _), c, attempts = fit_compiled(plan_for, compile_plan, self.budget,
+                                              lambda made: made[0].cost.memory_bytes, say=say)
+        if len(attempts) > 1:
+            first = attempts[0]
+            c.plan = dataclasses.replace(plan, warnings=plan.warnings + (
+                f"planned again under {format_bytes(attempts[-1].budget_bytes)}: the plan for the budget "
+                f"{format_bytes(first.budget_bytes)} compiled to {format_bytes(first.compiled_bytes)} per device "
+                f"(predicted {format_bytes(first.predicted_bytes)})",))
+        return c
 
     @property
     def plan(self) -> Plan:
@@ -218,6 +250,27 @@ class AutoFunction:
     def lower(self, *args, **kwargs):
         c = self._compiled(args, kwargs)
         return c.jitted.lower(*self._abstract(c, args, kwargs))
+
+    def compile_for(self, target: str, *args, **kwargs):
+        """The planned step compiled for ``target`` (:mod:`shardplan.targets`): ``"cpu"``, these
+        devices; ``"gpu"`` / ``"tpu"``, the real compiler of the hardware the plan is priced for,
+        with no such device present (never run); ``"auto"``, that where installed. Returns
+        ``(compiled, jax_mesh, compiler)``."""
+        from shardplan import targets
+        c = self._compiled(args, kwargs)
+        abstract = self._abstract(c, args, kwargs)
+        spec = self.mesh_spec if self.mesh_spec is not None else c.plan.mesh_spec
+        target = targets.resolve(target, spec) if spec is not None else "cpu"
+        if target == "cpu":
+            platform = c.mesh.devices.flat[0].platform
+            return c.jitted.lower(*abstract).compile(), c.mesh, f"XLA {platform.upper()} ({platform} devices)"
+        mesh, compiler = targets.target_mesh(spec, target)
+        other = _Compiled(c.traced, c.plan, c.graph, mesh, self.jit_kwargs)
+        with Status() as line:
+            line.say(f"compiling the planned step for {compiler}")
+            compiled = other.jitted.lower(*abstract).compile()
+            line.done(f"compiled for {compiler}")
+        return compiled, mesh, compiler
 
 
 @overload

@@ -16,7 +16,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
-from shardplan.cost import Spec, to_partition_spec
+from shardplan.cost import Spec, reshard_steps, to_partition_spec
 from shardplan.graph import Graph
 from shardplan.rewrites import emit
 from shardplan.walk import CALL_PRIMITIVES, body_prefix, eqn_path, sub_jaxpr
@@ -36,10 +36,21 @@ class _Emitter:
         self.operand_pins = operand_pins or {}
         self.result_pins = result_pins or {}
 
-    def constrain(self, x, spec: Spec | None):
+    def constrain(self, x, spec: Spec | None, have: Spec | None = None):
+        """``x`` constrained to ``spec``; where it is known to be ``have``, through the steps of
+        :func:`~shardplan.cost.reshard_steps` (the ones the cost model priced), so that XLA never
+        gets a reshard it can only do by replicating first."""
         if spec is None or not getattr(x, "ndim", 0) or len(spec) != x.ndim:
             return x
+        steps = reshard_steps(have, spec, self.mesh.axis_names) if have is not None and len(have) == x.ndim else []
+        for step in steps[:-1]:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_partition_spec(step)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_partition_spec(spec)))
+
+    def spec_of_input(self, here: str, k: int) -> Spec | None:
+        """The planned spec of operand ``k`` of the equation at ``here`` (``None``: not a planned tensor)."""
+        tid = self.g.eqn_inputs.get((here, k))
+        return None if tid is None else self.specs.get(self.g.tensors[tid].path)
 
     def rebuild(self, closed, prefix: str) -> jcore.ClosedJaxpr:
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
@@ -71,7 +82,8 @@ class _Emitter:
             if name in ("dot_general", "conv_general_dilated"):
                 if f"{here}:0" in self.dot_operands:
                     lhs, rhs, *computed = self.dot_operands[f"{here}:0"]
-                    ins = [self.constrain(ins[0], lhs), self.constrain(ins[1], rhs)]
+                    ins = [self.constrain(ins[0], lhs, self.spec_of_input(here, 0)),
+                           self.constrain(ins[1], rhs, self.spec_of_input(here, 1))] + ins[2:]
             elif self.operand_pins:
                 ins = self._pin_operands(eqn, here, ins)
             inner = body_prefix(here, eqn)
@@ -98,9 +110,11 @@ class _Emitter:
                 continue
             with eqn.ctx.manager:
                 outs = prim.bind(*ins, **prim.get_bind_params(params))
+            made = {}
             if computed:
                 outs = self.constrain(outs, computed[0])
-            self._store(env, eqn, here, outs if prim.multiple_results else [outs])
+                made[0] = computed[0]
+            self._store(env, eqn, here, outs if prim.multiple_results else [outs], made)
         return [read(v) for v in jaxpr.outvars]
 
     def _pin_operands(self, eqn, here: str, ins: list) -> list:
@@ -115,16 +129,20 @@ class _Emitter:
             for j in range(len(eqn.outvars)):
                 spec = self.operand_pins.get((src, f"{here}:{j}"))
                 if spec is not None:
-                    pinned[k] = self.constrain(ins[k], spec)
+                    pinned[k] = self.constrain(ins[k], spec, self.specs.get(src))
                     break
         return pinned
 
-    def _store(self, env, eqn, here: str, outs) -> None:
+    def _store(self, env, eqn, here: str, outs, made: dict[int, Spec] | None = None) -> None:
+        """The results, constrained to their planned specs (from ``made[j]``, the spec result
+        ``j`` is known to have, where given)."""
+        made = dict(made or {})
         for j, (v, x) in enumerate(zip(eqn.outvars, outs)):
             path = f"{here}:{j}"
             if path in self.result_pins:
                 x = self.constrain(x, self.result_pins[path])      # as the op makes it, then resharded
-            env[v] = self.constrain(x, self.specs.get(path))
+                made[j] = self.result_pins[path]
+            env[v] = self.constrain(x, self.specs.get(path), made.get(j))
 
 
 def constrained_function(closed_jaxpr, graph: Graph, specs: dict[str, Spec],

@@ -112,9 +112,12 @@ class Audit:
 
 
 def compiled_memory(compiled) -> float:
-    """Bytes per device a compiled program holds: argument + output + temp - alias."""
+    """Bytes per device a compiled program holds: argument + output + temp - alias, or the
+    compiler's own peak where it reports a larger one (the TPU compiler reports no temporaries
+    for many programs, only their peak)."""
     m = compiled.memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    total = float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return max(total, float(getattr(m, "peak_memory_in_bytes", 0) or 0))
 
 
 def _heap_note(cost, compiled, heap_overhead: float) -> str:
@@ -139,8 +142,10 @@ def price_collectives(comms, model: CostModel) -> tuple[dict[str, float], dict[s
     return nbytes, seconds, runs
 
 
-def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None = None) -> Audit:
-    """Compare ``plan`` with ``compiled`` (a ``jax.stages.Compiled``), pricing both on ``mesh``."""
+def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None = None,
+          compiler: str | None = None) -> Audit:
+    """Compare ``plan`` with ``compiled`` (a ``jax.stages.Compiled``), pricing both on ``mesh``;
+    ``compiler`` names what compiled it (the table says so)."""
     jax_mesh = jax_mesh if jax_mesh is not None else plan.jax_mesh()
     if platform is None:
         platform = jax_mesh.devices.flat[0].platform
@@ -162,7 +167,7 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
                              secs_a[a])
                     for a in mesh.axis_names)
     memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(compiled), 0.0, 0.0)
-    notes = [_heap_note(cost, compiled, mesh.device.heap_overhead)]
+    notes = ([f"compiled by {compiler}"] if compiler else []) + [_heap_note(cost, compiled, mesh.device.heap_overhead)]
     if platform == "cpu":
         read = [c for c in comms if c.emitted]
         if read:

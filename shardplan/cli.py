@@ -134,14 +134,21 @@ def _interruptible():
         raise KeyboardInterrupt
 
 
-def _fake_cpu_devices(n: int) -> None:
-    """Ask for ``n`` fake CPU devices unless XLA_FLAGS already says how many (before jax starts)."""
+def _fake_cpu_devices(n: int | None) -> None:
+    """Ask for ``n`` fake CPU devices unless XLA_FLAGS already says how many, and keep JAX on its
+    CPU backend unless JAX_PLATFORMS says otherwise (before jax starts its backends): planning
+    runs on fake CPU devices, and the GPU and TPU compilers (``--target``) need no backend of
+    their own, so an installed CUDA plugin must not go looking for a driver."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
+    if n is not None and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if not os.environ.get("JAX_PLATFORMS"):
+        import jax
+        jax.config.update("jax_platforms", "cpu")
 
 
 def _cmd_plan(args) -> int:
+    _fake_cpu_devices(None)
     import jax
     import shardplan
     from shardplan.models.train import reference
@@ -188,25 +195,30 @@ def _cmd_plan(args) -> int:
 def _cmd_audit(args) -> int:
     import shardplan
     mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
-    _fake_cpu_devices(mesh.num_devices)      # for the compile
+    _fake_cpu_devices(mesh.num_devices)      # for planning (and the cpu target's compile)
+    # The GPU and TPU compilers run without a device: keep JAX's own backend on the CPU, so that
+    # the CUDA plugin does not look for a driver.
     import jax
+    from shardplan import targets
     from shardplan.models.train import reference
+    target = targets.resolve(args.target, mesh)
+    if not targets.available(target):
+        print(f"shardplan: error: --target {target}: the {target.upper()} compiler is not installed; "
+              "pip install 'shardplan[aot]' (or --target cpu)", file=sys.stderr)
+        return 2
     ref = reference(args.model, scan=args.scan, remat=args.remat)
     print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
-          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on {jax.devices()[0].platform} devices ...",
+          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on the {target} compiler ...",
           file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
                        time_limit=args.time_limit)
-    from shardplan.progress import Status
+    from shardplan.audit import audit
     with _interruptible():
-        lowered = f.lower(state, batch)
-        with Status() as line:
-            line.say("compiling the planned step")
-            compiled = lowered.compile()
-            line.done("compiled")
-        report = f.plan.audit(compiled)
+        f.make_plan(state, batch)
+        compiled, jax_mesh, compiler = f.compile_for(target, state, batch)
+        report = audit(f.plan, compiled, mesh, jax_mesh, platform=target, compiler=compiler)
     print(report.table())
     return 1 if report.divergences() else 0
 
@@ -335,7 +347,7 @@ def _main(argv: list[str]) -> int:
                    help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
                         "inputs), or auto (the least of these whose plan fits the budget)")
     p.add_argument("--memory-budget", type=_byte_size, default=None,
-                   help="per-device budget, e.g. 60GiB or 6e10 (default: device HBM)")
+                   help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the device, meshes/README.md)")
     p.add_argument("--time-limit", type=_time_limit, default=30.0,
                    help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
     p.add_argument("--activations", type=_int_at_least(0, "--activations 20"), default=20,
@@ -353,6 +365,9 @@ def _main(argv: list[str]) -> int:
             a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             a.add_argument(flag, type=action.type, **kwargs)
+    a.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"),
+                   help="the compiler: gpu / tpu compile for the preset's device with none present (pip install "
+                        "'shardplan[aot]'); cpu on fake CPU devices; auto: the preset's own where installed, else cpu")
     sub.add_parser("bench", help="the benchmark harness: planner vs hand plans over models, meshes and budgets "
                                  "(shardplan bench --help)")
     m = sub.add_parser("mesh", help="list, show, validate, create and calibrate mesh files and presets")

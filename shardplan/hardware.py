@@ -106,3 +106,14 @@ def spec_for_mesh(mesh: jax.sharding.Mesh, hardware=None) -> MeshSpec:
             raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a fraction above 0 and at most 1")
         device = dataclasses.replace(device, allocator_fraction=share)
     return dataclasses.replace(base, name=name, axes=axes, devices_per_node=per_node, device=device)
+
+
+def runs_on(spec: MeshSpec, mesh: jax.sharding.Mesh) -> bool:
+    """Whether ``mesh``'s devices are the hardware ``spec`` prices, so that compiling on them
+    gives the target's own program (its memory and collectives): the device kind matches the
+    figures' device, directly or through its preset. An H100 plan lowered on fake CPU devices
+    (how the tests run) does not."""
+    device = np.asarray(mesh.devices).flat[0]
+    kind = getattr(device, "device_kind", device.platform)
+    preset = preset_for_kind(kind)
+    return spec.device.name == kind or (preset is not None and load_mesh(preset).device.name == spec.device.name)

@@ -43,6 +43,33 @@ class Collective:
         return Comm(self.kind, self.axes, self.nbytes)
 
 
+def _top_level(text: str) -> list[str]:
+    """The elements of a tuple shape ``(a, (b, c), d)`` (the text itself if it is no tuple)."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, begin = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                parts.append(text[begin:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[begin:i])
+            begin = i + 1
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _async_outputs(result: str) -> str:
+    """An async collective's ``-start`` (GPU) has the shape ``(operands, outputs)``, each part
+    a shape or a tuple of them, sometimes with scalar context after: the outputs."""
+    parts = _top_level(result)
+    return parts[1] if len(parts) >= 2 else result
+
+
 def _shape_bytes(text: str) -> float:
     total = 0.0
     for dtype, dims in _SHAPE.findall(text):
@@ -270,13 +297,15 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
             m = _INSTR.match(line)
             if not m:
                 continue
-            name, result, kind, _, rest = m.groups()
+            name, result, kind, start, rest = m.groups()
             groups = replica_groups(rest, n)
             if kind == COLLECTIVE_PERMUTE:
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
                 group = sorted({int(x) for x in re.findall(r"\d+", pairs.group(1))}) if pairs else list(range(n))
             else:
                 group = groups[0]
+            if start and kind != ALL_REDUCE:
+                result = _async_outputs(result)
             nbytes = _shape_bytes(result)
             if kind == REDUCE_SCATTER:
                 nbytes *= len(group)

@@ -1,0 +1,88 @@
+"""The memory budget held on the compiled program, not only on the prediction.
+
+The planner's memory model is an estimate; XLA's buffer assignment is the truth. After compiling
+a plan for the hardware it runs on, :func:`fit_compiled` reads the program's bytes per device
+(``memory_analysis``: argument + output + temp - alias) and, where they exceed the budget,
+plans again under a budget tightened by the overshoot, until the program fits or no plan does.
+The error then names the least memory any compiled plan needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardplan.audit import compiled_memory
+from shardplan.errors import InfeasibleBudgetError
+from shardplan.sizes import format_bytes
+
+TRIES = 4            # plans compiled at most (the first included)
+_MARGIN = 0.99       # aim a little under the budget: the compiled size is not linear in it
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One plan compiled: the budget it was planned under, its predicted and compiled bytes per device."""
+
+    budget_bytes: int
+    predicted_bytes: float
+    compiled_bytes: float
+
+
+def _largest_everywhere(value: float) -> float:
+    """The largest ``value`` over all processes (each compiles the same program; this keeps every
+    process's decision to re-plan the same even if their compilers disagreed)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+    every = multihost_utils.process_allgather(np.array([value], dtype=np.float64))
+    return float(np.max(every))
+
+
+def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], Any], budget: int,
+                 predicted: Callable[[Any], float], *, tries: int = TRIES, say=None):
+    """Plan under ``budget``, compile, and re-plan under a tighter budget while the compiled
+    program holds more than ``budget`` bytes per device.
+
+    ``plan_for(b)`` plans under ``b`` bytes (it raises :class:`InfeasibleBudgetError` when no
+    plan fits); ``compile_plan(p)`` compiles what it returned, giving ``(result, compiled)``
+    where ``compiled`` has ``memory_analysis()``; ``predicted(p)`` is the plan's predicted bytes
+    per device. Returns ``(p, result, attempts)``.
+    """
+    attempts: list[Attempt] = []
+    planned_under = budget
+    for _ in range(tries):
+        try:
+            made = plan_for(planned_under)
+        except InfeasibleBudgetError as e:
+            if not attempts:
+                raise
+            raise _too_big(budget, attempts, f"no plan fits the tightened budget {format_bytes(planned_under)} "
+                                             f"({e.min_feasible_bytes and format_bytes(e.min_feasible_bytes)} "
+                                             "predicted at least)") from e
+        result, compiled = compile_plan(made)
+        used = _largest_everywhere(compiled_memory(compiled))
+        attempts.append(Attempt(planned_under, predicted(made), used))
+        if used <= budget:
+            return made, result, attempts
+        tighter = int(planned_under * budget / used * _MARGIN)
+        if say is not None:
+            say(f"the compiled program needs {format_bytes(used)} per device, over the budget "
+                f"{format_bytes(budget)}: planning again under {format_bytes(tighter)}")
+        planned_under = tighter
+    raise _too_big(budget, attempts, f"{tries} plans compiled, none fits")
+
+
+def _too_big(budget: int, attempts: list[Attempt], why: str) -> InfeasibleBudgetError:
+    least = min(a.compiled_bytes for a in attempts)
+    tried = "; ".join(f"planned under {format_bytes(a.budget_bytes)}: predicted {format_bytes(a.predicted_bytes)}, "
+                      f"compiled {format_bytes(a.compiled_bytes)}" for a in attempts)
+    return InfeasibleBudgetError(
+        f"no plan fits memory_budget={format_bytes(budget)} per device on the compiled program ({why}). "
+        f"The least a compiled plan needed is {format_bytes(least)}: set memory_budget to at least that, "
+        f"use more devices, recompute activations or shrink the batch. Tried: {tried}",
+        budget_bytes=budget, min_feasible_bytes=int(np.ceil(least)), largest_tensors=[])

@@ -1,0 +1,148 @@
+"""Compile targets: a plan compiled by the real GPU or TPU compiler, with no GPU or TPU present.
+
+XLA's CPU backend computes bf16 in f32 and has its own scheduler, so its memory figures are not a
+GPU's. JAX compiles for NVIDIA GPUs and TPUs without a device: the CUDA plugin from a
+``GpuTargetConfig`` (the device's published figures) and a ``slices x hosts x devices``
+topology, libtpu from a topology name. The program is the real compiler's (its async
+collectives, its reduce-scatters, its memory scheduler and rematerialisation pass), so its
+``memory_analysis()`` and ``as_text()`` are what the device would run; it is never executed.
+
+Install with ``pip install 'shardplan[aot]'`` (about 420 MB of wheels: the CUDA plugin, ``ptxas``
+and libdevice from ``nvidia-cuda-nvcc-cu12``, libtpu). Set ``JAX_PLATFORMS=cpu`` (the CLI does)
+before JAX starts, so that the CUDA plugin does not look for a driver.
+
+>>> mesh, compiler = target_mesh(load_mesh("h100-8"), "gpu")      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import numpy as np
+
+from shardplan.errors import ShardplanError
+from shardplan.mesh import MeshSpec
+
+TARGETS = ("auto", "cpu", "gpu", "tpu")
+
+# Fixed figures of each GPU family for XLA's cost model and code generation, from NVIDIA's
+# published specifications (CUDA C Programming Guide, "Compute capabilities"; the H100 and A100
+# whitepapers): SMs, FP32 lanes per SM, shared memory per SM and per block (opt-in), L2, boost
+# clock, compute capability. Memory size and bandwidth come from the preset (``usable_bytes``,
+# ``hbm_bandwidth``).
+_GPU_FAMILIES = {
+    "h100": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
+                 l2_cache_size=52428800, clock_rate_ghz=1.98, major=9, minor=0,
+                 description="NVIDIA H100 80GB HBM3"),
+    "h200": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
+                 l2_cache_size=52428800, clock_rate_ghz=1.98, major=9, minor=0, description="NVIDIA H200"),
+    "a100": dict(core_count=108, fpus_per_core=64, shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
+                 l2_cache_size=41943040, clock_rate_ghz=1.41, major=8, minor=0,
+                 description="NVIDIA A100-SXM4-80GB"),
+}
+
+# TPU presets -> libtpu topology names (chips in a slice: "v5e:16x16" is 256 chips).
+_TPU_TOPOLOGIES = {"TPU v5e": "v5e:16x16", "TPU v5p": "v5p:8x8x8"}
+
+
+def gpu_family(spec: MeshSpec) -> str | None:
+    name = spec.device.name.lower()
+    return next((f for f in _GPU_FAMILIES if f in name), None)
+
+
+def gpu_target_config(spec: MeshSpec) -> str:
+    """The ``GpuTargetConfig`` text proto for the preset's device."""
+    family = gpu_family(spec)
+    if family is None:
+        raise ShardplanError(f"no GPU target config for device {spec.device.name!r}: the GPU targets are "
+                             f"{', '.join(_GPU_FAMILIES)}")
+    f = _GPU_FAMILIES[family]
+    memory = spec.device.usable_bytes or spec.device.hbm_bytes
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {f['shared_memory_per_core']}
+  threads_per_core_limit: 2048
+  core_count: {f['core_count']}
+  fpus_per_core: {f['fpus_per_core']}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(spec.device.hbm_bandwidth)}
+  l2_cache_size: {f['l2_cache_size']}
+  clock_rate_ghz: {f['clock_rate_ghz']}
+  device_memory_size: {int(memory)}
+  shared_memory_per_block_optin: {f['shared_memory_per_block_optin']}
+  cuda_compute_capability {{ major: {f['major']} minor: {f['minor']} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{f['description']}"
+"""
+
+
+def available(target: str) -> bool:
+    """Whether this machine can compile for ``target`` ("cpu" always)."""
+    if target == "gpu":
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    if target == "tpu":
+        return importlib.util.find_spec("libtpu") is not None
+    return target == "cpu"
+
+
+def resolve(target: str, spec: MeshSpec) -> str:
+    """``auto``: the preset's own kind of compiler where it is installed, else ``cpu``."""
+    if target not in TARGETS:
+        raise ShardplanError(f"unknown compile target {target!r}: one of {', '.join(TARGETS)}")
+    if target != "auto":
+        return target
+    kind = "gpu" if gpu_family(spec) else "tpu" if spec.device.name in _TPU_TOPOLOGIES else "cpu"
+    return kind if available(kind) else "cpu"
+
+
+@functools.lru_cache(maxsize=8)
+def _topology(platform: str, config: str, name: str):
+    from jax.experimental import topologies
+    if platform == "cuda":
+        return topologies.get_topology_desc(platform="cuda", target_config=config, topology=name)
+    # libtpu looks for the TPU VM it runs on: say it is a lone host (its warnings otherwise).
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+
+
+def target_mesh(spec: MeshSpec, target: str):
+    """A ``jax.sharding.Mesh`` with ``spec``'s axes over compile-only devices of ``target``
+    ("gpu" or "tpu"), and the name of the compiler that will compile for it."""
+    import jax
+    if not available(target):
+        raise ShardplanError(f"the {target.upper()} compiler is not installed: pip install 'shardplan[aot]'")
+    if target == "gpu":
+        per_node = spec.devices_per_node
+        if spec.num_devices % per_node:
+            raise ShardplanError(f"{spec.name}: {spec.num_devices} devices do not fill nodes of {per_node}")
+        topo = _topology("cuda", gpu_target_config(spec), f"1x{spec.num_devices // per_node}x{per_node}")
+        compiler = f"XLA GPU (deviceless, {_GPU_FAMILIES[gpu_family(spec)]['description']})"
+    elif target == "tpu":
+        name = _TPU_TOPOLOGIES.get(spec.device.name)
+        if name is None:
+            raise ShardplanError(f"no TPU topology for device {spec.device.name!r}: the TPU targets are "
+                                 f"{', '.join(_TPU_TOPOLOGIES)}")
+        topo = _topology("tpu", "", name)
+        compiler = f"XLA TPU (deviceless, libtpu, {name})"
+    else:
+        raise ShardplanError(f"target_mesh is for gpu and tpu targets, not {target!r}")
+    devices = list(topo.devices)
+    if len(devices) != spec.num_devices:
+        raise ShardplanError(f"the {target} topology for {spec.name} has {len(devices)} devices, the mesh "
+                             f"{spec.num_devices}: compile this mesh for the cpu target")
+    shape = tuple(spec.axis_sizes)
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), tuple(spec.axis_names),
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    return mesh, compiler

@@ -1,0 +1,96 @@
+"""Deviceless compile targets: the real GPU and TPU compilers, with no GPU or TPU present.
+
+Skipped where the compilers are not installed (``pip install 'shardplan[aot]'``); CI installs them.
+"""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import shardplan
+from shardplan import targets
+from shardplan.audit import audit, compiled_memory
+from shardplan.models.train import reference
+
+needs_gpu = pytest.mark.skipif(not targets.available("gpu"), reason="the CUDA compiler is not installed "
+                               "(pip install 'shardplan[aot]')")
+needs_tpu = pytest.mark.skipif(not targets.available("tpu"), reason="libtpu is not installed "
+                               "(pip install 'shardplan[aot]')")
+
+
+def _step(name="gpt-tiny", mesh="h100-8", batch=16, **kw):
+    ref = reference(name, scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(batch, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), time_limit=2, **kw)
+    f.make_plan(state, batch)
+    return f, state, batch
+
+
+def test_gpu_target_configs_carry_the_presets_memory_and_bandwidth():
+    config = targets.gpu_target_config(shardplan.load_mesh("h100-8"))
+    assert "device_memory_size: 84929347584" in config and "memory_bandwidth: 3350000000000" in config
+    assert "major: 9" in config and 'device_description_str: "NVIDIA H100 80GB HBM3"' in config
+    assert "major: 8" in targets.gpu_target_config(shardplan.load_mesh("a100-8"))
+    with pytest.raises(shardplan.ShardplanError, match="no GPU target config for device 'host CPU"):
+        targets.gpu_target_config(shardplan.load_mesh("cpu-8"))
+    assert targets.resolve("cpu", shardplan.load_mesh("h100-8")) == "cpu"
+    assert targets.resolve("auto", shardplan.load_mesh("cpu-8")) == "cpu"
+    with pytest.raises(shardplan.ShardplanError, match="unknown compile target 'npu'"):
+        targets.resolve("npu", shardplan.load_mesh("h100-8"))
+
+
+@needs_gpu
+def test_a_plan_compiles_on_the_gpu_compiler_and_is_audited_there():
+    f, state, batch = _step(mesh=shardplan.load_mesh("h100-8", axes={"data": 8}), batch=256)   # data parallel
+    compiled, mesh, compiler = f.compile_for("gpu", state, batch)
+    assert mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3" and "GPU" in compiler
+    text = compiled.as_text()
+    assert "all-reduce-start" in text          # the GPU's async collectives, not the CPU's
+    report = audit(f.plan, compiled, f.plan.mesh_spec, mesh, platform="gpu", compiler=compiler)
+    assert report.notes[0] == f"compiled by {compiler}"
+    # Data parallel: the gradients' all-reduce moves every parameter once, as predicted.
+    rows = {r.name: r for r in report.by_kind}
+    # (the GPU compiler's is 12% under the prediction here: XLA's combined gradient all-reduce)
+    assert rows["all-reduce"].compiled_bytes == pytest.approx(rows["all-reduce"].predicted_bytes, rel=0.15)
+    assert compiled_memory(compiled) == pytest.approx(f.plan.cost.memory_bytes, rel=0.15)
+
+
+@needs_gpu
+def test_async_collectives_count_their_outputs_not_operands_and_outputs():
+    # A GPU all-gather-start's shape is (operands, outputs): the bytes are the outputs'.
+    f, state, batch = _step(mesh=shardplan.load_mesh("h100-8", axes={"data": 2, "model": 4}), batch=256)
+    gpu = f.compile_for("gpu", state, batch)
+    cpu = f.compile_for("cpu", state, batch)
+    from shardplan.hlo import collectives
+    total = {name: sum(c.nbytes * c.count for c in collectives(c.as_text(), m)) for name, (c, m, _) in
+             (("gpu", gpu), ("cpu", cpu))}
+    assert total["gpu"] == pytest.approx(total["cpu"], rel=0.05), total
+
+
+@needs_tpu
+def test_a_plan_compiles_on_the_tpu_compiler(tmp_path):
+    # 256 chips: planned on 256 fake CPU devices in a process of its own, compiled by libtpu.
+    run = subprocess.run([sys.executable, "-m", "shardplan.cli", "audit", "--model", "gpt-tiny", "--mesh",
+                          "tpu-v5e-256", "--target", "tpu", "--time-limit", "2"],
+                         capture_output=True, text=True, env={"CI": "true", "PATH": "/usr/bin:/bin",
+                                                               "HOME": str(tmp_path)}, timeout=600)
+    assert run.returncode in (0, 1), run.stderr[-2000:]      # 1: a figure diverges (reported, not an error)
+    assert "note: compiled by XLA TPU (deviceless, libtpu, v5e:16x16)" in run.stdout
+    assert "memory per device" in run.stdout and "Traceback" not in run.stderr
+
+
+def test_audit_target_flag_says_which_compiler_and_refuses_a_missing_one(tmp_path):
+    env = {"CI": "true", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    target = "gpu" if targets.available("gpu") else "cpu"
+    run = subprocess.run([sys.executable, "-m", "shardplan.cli", "audit", "--model", "gpt-tiny", "--mesh", "h100-8",
+                          "--axes", "data=8", "--target", target, "--time-limit", "2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"audit against the compiled program ({target})" in run.stdout
+    assert "note: compiled by XLA " + ("GPU (deviceless" if target == "gpu" else "CPU") in run.stdout
+    if not targets.available("tpu"):
+        bad = subprocess.run([sys.executable, "-m", "shardplan.cli", "audit", "--model", "gpt-tiny", "--mesh",
+                              "tpu-v5e-256", "--target", "tpu"], capture_output=True, text=True, env=env, timeout=600)
+        assert bad.returncode == 2 and "pip install 'shardplan[aot]'" in bad.stderr and "Traceback" not in bad.stderr
