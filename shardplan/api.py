@@ -157,7 +157,8 @@ class AutoFunction:
 
     def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
-                 cache=True, plan: Plan | str | os.PathLike | None = None, **jit_kwargs):
+                 cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | None = None,
+                 **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.cache = cache
         self.fn = fn
@@ -175,6 +176,7 @@ class AutoFunction:
             self.budget = _budget(memory_budget, self.mesh_spec)
         self.call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self.options = PlannerOptions(time_limit=time_limit)
+        self.fit_compiled = fit_compiled
         self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
@@ -202,7 +204,12 @@ class AutoFunction:
             return share_plan(lambda: _plan_traced(traced, self.mesh_spec, budget, self.options, self.cache),
                               lambda p: bind_plan(p, traced, "the plan from process 0"))
 
-        if not runs_on(self.mesh_spec, mesh):
+        fit = self.fit_compiled
+        if fit is None:
+            # By default on accelerators: fake CPU devices share the host's memory (nothing runs
+            # out there), and the CPU compiler's bytes for a small or bf16 step are not a GPU's.
+            fit = mesh.devices.flat[0].platform != "cpu"
+        if not fit or not runs_on(self.mesh_spec, mesh):
             # Planned for other hardware than it is lowered on (an H100 plan on fake CPU devices):
             # this compiler's bytes are not the target's.
             return _Compiled(traced, *plan_for(self.budget), mesh, self.jit_kwargs)
@@ -280,13 +287,16 @@ def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
 def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
-         **jit_kwargs):
+         fit_compiled: bool | None = None, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
     preset name or a mesh file. ``cache``: plans are kept on disk (:mod:`shardplan.cache`; ``True``:
     the default directory, a path: that one, ``False``: off). ``jit_kwargs`` are ``jax.jit``'s:
     ``static_argnums``, ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
+    ``fit_compiled``: compile while planning and hold the budget on the compiled program,
+    planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); only where
+    the mesh's devices are the priced hardware. Default: on accelerators, off on CPU devices.
     ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
@@ -300,9 +310,9 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     """
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
-                                 time_limit=time_limit, cache=cache, plan=plan, **jit_kwargs)
+                                 time_limit=time_limit, cache=cache, plan=plan, fit_compiled=fit_compiled, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
-                        cache=cache, plan=plan, **jit_kwargs)
+                        cache=cache, plan=plan, fit_compiled=fit_compiled, **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),

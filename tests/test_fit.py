@@ -15,24 +15,34 @@ BATCH = REF.batch(64, abstract=True)
 
 def _auto(budget, **kw):
     return shardplan.auto(REF.train_step, mesh="cpu-8", memory_budget=budget, donate_argnums=(0,), time_limit=2,
-                          cache=False, **kw)
+                          cache=False, fit_compiled=True, **kw)
 
 
-def test_a_plan_compiled_over_budget_is_planned_again_until_it_fits():
-    # Unbounded, this step's plan is predicted 7.5-7.9 MB per device and compiles to about 5%
-    # more (XLA's heap): at 8.0 MB the first plan fits the prediction but not the program.
-    budget = 8_000_000
-    f = _auto(budget)
-    plan = f.make_plan(STATE, BATCH)
-    compiled = f._last._executable          # compiled while planning: the mesh is the priced hardware
-    assert compiled is not None
-    assert compiled_memory(compiled) <= budget
-    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("planned again under"), plan.warnings
-    # The loop keeps its program: calling the step compiles nothing more.
-    state = jax.jit(REF.init, out_shardings=plan.in_shardings()[0])(jax.random.key(0))
-    for _ in range(2):
-        state, metrics = f(state, REF.batch(64))
-    assert f._last._executable is compiled and float(metrics["loss"]) > 0
+def test_the_loop_plans_again_under_a_tighter_budget_until_the_program_fits():
+    # A planner whose programs compile to 10% over their prediction, and a plan per budget.
+    from types import SimpleNamespace
+
+    from shardplan.fit import fit_compiled
+
+    class Program:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def memory_analysis(self):
+            return SimpleNamespace(argument_size_in_bytes=self.nbytes, output_size_in_bytes=0, temp_size_in_bytes=0,
+                                   alias_size_in_bytes=0)
+    asked, said = [], []
+    made, result, attempts = fit_compiled(lambda b: asked.append(b) or 0.97 * b,
+                                          lambda p: (("program", p), Program(1.1 * p)),
+                                          1000, lambda p: p, say=said.append)
+    assert len(attempts) == len(asked) == 2 and asked[0] == 1000 and asked[1] == int(1000 * 1000 / 1067 * 0.99)
+    assert attempts[-1].compiled_bytes <= 1000 < attempts[0].compiled_bytes and result == ("program", made)
+    assert "planning again under" in said[0]
+    # A planner that cannot go below 950 predicted: four tries, then the error names the least.
+    with pytest.raises(InfeasibleBudgetError, match=r"\(4 plans compiled, none fits\). The least a compiled plan "
+                                                    r"needed is 1.02 KiB") as e:
+        fit_compiled(lambda b: max(950.0, 0.97 * b), lambda p: (p, Program(1.1 * p)), 1000, lambda p: p)
+    assert e.value.min_feasible_bytes == 1045
 
 
 def test_no_plan_that_compiles_under_the_budget_is_an_error_naming_the_least_that_compiled():
@@ -49,6 +59,11 @@ def test_no_plan_that_compiles_under_the_budget_is_an_error_naming_the_least_tha
 
 def test_a_plan_for_other_hardware_is_not_held_to_this_compiler():
     # An H100 plan lowered on fake CPU devices: the CPU's bytes are not the H100's program.
-    f = shardplan.auto(REF.train_step, mesh="h100-8", donate_argnums=(0,), time_limit=2, cache=False)
+    f = shardplan.auto(REF.train_step, mesh="h100-8", donate_argnums=(0,), time_limit=2, cache=False,
+                       fit_compiled=True)
+    f.make_plan(STATE, BATCH)
+    assert f._last._executable is None
+    # On CPU devices (they share the host's memory) only when asked.
+    f = shardplan.auto(REF.train_step, mesh="cpu-8", donate_argnums=(0,), time_limit=2, cache=False)
     f.make_plan(STATE, BATCH)
     assert f._last._executable is None
