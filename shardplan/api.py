@@ -223,7 +223,8 @@ class AutoFunction:
                 line.done(text)
 
         (plan, _), c, attempts = fit_compiled(plan_for, compile_plan, self.budget,
-                                              lambda made: made[0].cost.memory_bytes, say=say)
+                                              lambda made: made[0].cost.memory_bytes, say=say,
+                                              identity=lambda made: made[0].digest())
         if len(attempts) > 1:
             first = attempts[0]
             c.plan = dataclasses.replace(plan, warnings=plan.warnings + (

@@ -44,16 +44,19 @@ def _largest_everywhere(value: float) -> float:
 
 
 def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], Any], budget: int,
-                 predicted: Callable[[Any], float], *, tries: int = TRIES, say=None):
+                 predicted: Callable[[Any], float], *, tries: int = TRIES, say=None,
+                 identity: Callable[[Any], Any] | None = None):
     """Plan under ``budget``, compile, and re-plan under a tighter budget while the compiled
     program holds more than ``budget`` bytes per device.
 
     ``plan_for(b)`` plans under ``b`` bytes (it raises :class:`InfeasibleBudgetError` when no
     plan fits); ``compile_plan(p)`` compiles what it returned, giving ``(result, compiled)``
     where ``compiled`` has ``memory_analysis()``; ``predicted(p)`` is the plan's predicted bytes
-    per device. Returns ``(p, result, attempts)``.
+    per device. Returns ``(p, result, attempts)``. ``identity(p)`` (e.g. the plan's digest) says
+    when a tighter budget gave a plan already compiled: it is not compiled again.
     """
     attempts: list[Attempt] = []
+    compiled_before: dict[Any, float] = {}
     planned_under = budget
     for _ in range(tries):
         try:
@@ -64,8 +67,14 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
             raise _too_big(budget, attempts, f"no plan fits the tightened budget {format_bytes(planned_under)} "
                                              f"({e.min_feasible_bytes and format_bytes(e.min_feasible_bytes)} "
                                              "predicted at least)") from e
-        result, compiled = compile_plan(made)
-        used = _largest_everywhere(compiled_memory(compiled))
+        key = identity(made) if identity is not None else None
+        if key is not None and key in compiled_before:
+            used = compiled_before[key]            # the same plan again: over budget, as before
+        else:
+            result, compiled = compile_plan(made)
+            used = _largest_everywhere(compiled_memory(compiled))
+            if key is not None:
+                compiled_before[key] = used
         attempts.append(Attempt(planned_under, predicted(made), used))
         if used <= budget:
             return made, result, attempts

@@ -43,6 +43,14 @@ def test_the_loop_plans_again_under_a_tighter_budget_until_the_program_fits():
                                                     r"needed is 1.02 KiB") as e:
         fit_compiled(lambda b: max(950.0, 0.97 * b), lambda p: (p, Program(1.1 * p)), 1000, lambda p: p)
     assert e.value.min_feasible_bytes == 1045
+    # A tighter budget that gives the plan already compiled is not compiled again.
+    compiles = []
+    made, _, attempts = fit_compiled(lambda b: 950.0 if b > 500 else 0.97 * b,
+                                     lambda p: compiles.append(p) or (p, Program(2 * p)), 1000, lambda p: p,
+                                     identity=lambda p: p)
+    # 1000 -> 950 (compiles to 1900); 521 -> 950 again (not compiled); 271 -> 262.87 (525.7, fits)
+    assert [a.budget_bytes for a in attempts] == [1000, 521, 271]
+    assert compiles == [950.0, 0.97 * 271] and made == 0.97 * 271
 
 
 def test_no_plan_that_compiles_under_the_budget_is_an_error_naming_the_least_that_compiled():
