@@ -185,15 +185,14 @@ class AutoFunction:
         key = signature(self.call, args, kwargs)
         if key not in self._cache:
             traced = trace_step(self.fn, args, kwargs, self.call)
+            mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             if self.given is not None:
                 check_given_plan(self.given)
                 plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
-            mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
-            if self.given is None:
+                self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
+            else:
                 self._cache[key] = self._planned(traced, mesh, [abstract_leaf(x) for x in
                                                                 traced.flat_args(self.call, args, kwargs)])
-            else:
-                self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
         self._last = self._cache[key]
         return self._last
 
@@ -271,7 +270,7 @@ class AutoFunction:
         target = targets.resolve(target, spec) if spec is not None else "cpu"
         if target == "cpu":
             platform = c.mesh.devices.flat[0].platform
-            return c.jitted.lower(*abstract).compile(), c.mesh, f"XLA {platform.upper()} ({platform} devices)"
+            return c.executable(abstract), c.mesh, f"XLA {platform.upper()} ({platform} devices)"
         mesh, compiler = targets.target_mesh(spec, target)
         other = _Compiled(c.traced, c.plan, c.graph, mesh, self.jit_kwargs)
         with Status() as line:
