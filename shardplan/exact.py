@@ -7,6 +7,10 @@ product of the option counts of a node and its neighbours at elimination time, w
 for train steps once chains are folded and repeated layers tied (the interaction graph of a
 decoder layer has width 3). :func:`solve_exact` returns ``None`` when the tables would grow past
 ``max_entries``; the caller then falls back to CP-SAT.
+
+Where even one table is too large to price (meshes of three or more axes: a few hundred options
+a tensor), :func:`solve_by_axis_blocks` searches by mesh axes, each step a small problem of
+the options that move one or two axes, priced for those alone and solved exactly.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shardplan.solver import Solution, SolverStats, peak_memory, total_cost
+from shardplan.simplify import eliminate_dead_ends, expand, simplify
+from shardplan.solver import Solution, SolverStats, peak_memory, solve, total_cost
 from shardplan.strategies import Problem
+from shardplan.tying import tie, untie
 
 
 def _order(problem: Problem, max_entries: int) -> list[int] | None:
@@ -97,42 +104,107 @@ def _restrict(problem: Problem, allowed: list[list[int]]) -> Problem:
     return Problem(nodes, edges, problem.base_memory, problem.node_of_group, problem.node_of_dot)
 
 
+def restricted_of(problem: Problem) -> Callable[[list[list[int]]], Problem]:
+    """:func:`solve_by_axis_blocks`'s ``restricted`` for a problem whose tables are all built."""
+    return lambda allowed: _restrict(problem, allowed)
+
+
 def lower_bound(problem: Problem) -> float:
     """Every node and every pair at its cheapest, each on its own: no plan costs less."""
     return float(sum(n.cost.min() for n in problem.nodes) + sum(t.min() for t in problem.edges.values()))
 
 
-def solve_by_axis_blocks(problem: Problem, start: list[int], *, max_entries: int = 25_000_000) -> Solution:
-    """A plan no move of any two mesh axes improves, for problems too wide to eliminate whole.
+def solve_reduced(problem: Problem, *, max_entries: int = 25_000_000, tie_layers: bool = True) -> list[int] | None:
+    """The exact optimum of ``problem`` (no memory constraint) after tying repeated layers,
+    folding chains and dropping dead ends; ``None`` if still too wide to eliminate."""
+    tied = tie(problem) if tie_layers else None
+    reduced = simplify(tied.problem if tied else problem)
+    free, keep = eliminate_dead_ends(reduced.problem, memory=False)
+    sol = solve_exact(free, max_entries=max_entries)
+    if sol is None:
+        return None
+    choice = expand(reduced, [int(k[c]) for k, c in zip(keep, sol.choice)], len((tied.problem if tied else problem).nodes))
+    return untie(tied, choice) if tied else choice
 
-    From ``start``, each step lets every node change where two of the mesh axes go (the others
-    stay where they are) and solves that smaller problem exactly by elimination; the steps go
-    round the pairs of axes until none improves. Each step can only lower the cost. The bound
-    reported is :func:`lower_bound` (weak): the optimum lies between it and the plan's cost.
+
+def _solve_budgeted(problem: Problem, hint: list[int], budget_bytes: float, *, time_limit: float,
+                    relative_gap: float, tie_layers: bool, max_cells: int) -> list[int] | None:
+    """The best plan of ``problem`` under the budget by CP-SAT from the feasible ``hint``;
+    ``None`` if its tables are over ``max_cells`` (CP-SAT's model would take longer to build
+    than the step is worth)."""
+    tied = tie(problem) if tie_layers else None
+    small = tied.problem if tied else problem
+    if sum(t.size for t in small.edges.values()) > max_cells:
+        return None
+    start = [0] * len(small.nodes)
+    for n, c in enumerate(hint):
+        start[tied.rep[n] if tied else n] = c
+    sol = solve(small, budget_bytes=budget_bytes, time_limit=time_limit, relative_gap=relative_gap, hint=start)
+    if sol is None:
+        return None
+    return untie(tied, sol.choice) if tied else sol.choice
+
+
+def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list[list[int]]], Problem],
+                         start: list[int], *, bound: float, budget_bytes: float | None = None,
+                         time_limit: float = 2.0, relative_gap: float = 0.0, pair_entries: int = 2_000_000,
+                         max_cells: int = 50_000, tie_layers: bool = True) -> Solution:
+    """A plan no move of one mesh axis improves, for problems too wide to solve whole.
+
+    ``options`` are every node's options and ``restricted(allowed)`` the problem with node ``n``
+    kept to its options ``allowed[n]``, tables priced for those alone (so a search over a few
+    options at a time never prices them all). From ``start``, each step lets every node change
+    where one mesh axis goes (the others stay where they are) and solves that problem exactly,
+    round the axes until none improves; then the same with two axes at a time where the step
+    stays small, back to single axes after any pair that improves. Without a budget a step is
+    solved by elimination (pairs while its tables stay under ``pair_entries`` cells); under
+    ``budget_bytes`` (``start`` must fit it) by CP-SAT within ``time_limit``, while the step's
+    tables stay under ``max_cells``. Each step can only lower the cost and keeps the plan within
+    the budget; ``bound`` (weak, from the caller) is reported as the lower bound.
     """
     began = time.perf_counter()
-    placements = [[_placement(o) for o in n.options] for n in problem.nodes]
+    placements = [[_placement(o) for o in node] for node in options]
     axes = sorted({a for p in placements for q in p for a in q})
-    blocks = list(itertools.combinations(axes, 2)) or [(a,) for a in axes]
-    choice, cost = list(start), total_cost(problem, start)
-    improved = True
-    while improved:
+    singles = [(a,) for a in axes]
+    pairs = list(itertools.combinations(axes, 2))
+
+    def fixed(choice: list[int]) -> Problem:
+        return restricted([[c] for c in choice])
+
+    def step(block, choice, max_entries):
+        allowed = []
+        for n, p in enumerate(placements):
+            keep = {a: w for a, w in p[choice[n]].items() if a not in block}
+            allowed.append([i for i, q in enumerate(p) if {a: w for a, w in q.items() if a not in block} == keep])
+        if all(len(ok) == 1 for ok in allowed):
+            return None
+        sub = restricted(allowed)
+        if budget_bytes is None:
+            sub_choice = solve_reduced(sub, max_entries=max_entries, tie_layers=tie_layers)
+        else:
+            hint = [ok.index(c) for ok, c in zip(allowed, choice)]
+            sub_choice = _solve_budgeted(sub, hint, budget_bytes, time_limit=time_limit, relative_gap=relative_gap,
+                                         tie_layers=tie_layers, max_cells=max_cells)
+        if sub_choice is None:
+            return None
+        return [allowed[n][c] for n, c in enumerate(sub_choice)], total_cost(sub, sub_choice)
+
+    choice, cost = list(start), total_cost(fixed(start), [0] * len(start))
+    blocks, max_entries = singles, 25_000_000
+    while True:
         improved = False
         for block in blocks:
-            allowed = []
-            for n, p in enumerate(placements):
-                keep = {a: w for a, w in p[choice[n]].items() if a not in block}
-                allowed.append([i for i, q in enumerate(p) if {a: w for a, w in q.items() if a not in block} == keep])
-            sub = _restrict(problem, allowed)
-            sol = solve_exact(sub, max_entries=max_entries)
-            if sol is None:
-                continue
-            new = [allowed[n][c] for n, c in enumerate(sol.choice)]
-            new_cost = total_cost(problem, new)
-            if new_cost < cost * (1 - 1e-9):
-                choice, cost, improved = new, new_cost, True
-    bound = min(cost, lower_bound(problem))
+            found = step(block, choice, max_entries)
+            if found is not None and found[1] < cost * (1 - 1e-9):
+                (choice, cost), improved = found, True
+        if improved:
+            blocks, max_entries = singles, 25_000_000       # settle single-axis moves again
+        elif blocks is singles and pairs:
+            blocks, max_entries = pairs, pair_entries
+        else:
+            break
+    bound = min(cost, bound)
     stats = SolverStats(status="LOCAL_OPTIMUM", objective=cost, bound=bound,
                         gap=0.0 if cost <= 0 else (cost - bound) / cost, wall_time=time.perf_counter() - began,
-                        num_variables=len(problem.nodes), num_constraints=0)
-    return Solution(choice, stats, peak_memory(problem, choice))
+                        num_variables=len(placements), num_constraints=0)
+    return Solution(choice, stats, peak_memory(fixed(choice), [0] * len(choice)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
 from shardplan.errors import InfeasibleBudgetError
-from shardplan.exact import solve_by_axis_blocks, solve_exact
+from shardplan.exact import lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph
 from shardplan.walk import build_graph
 from shardplan.mesh import MeshSpec
@@ -85,7 +86,59 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     fed = frozenset(t for k, t in enumerate(graph.inputs)
                     if k not in state_in and not (k < len(donated) and donated[k]) and input_args[k] not in (0, "0"))
     enum = Enumerator(graph, model, donated_outputs, fixed, fed)
-    problem = enum.build()
+    start = time.perf_counter()
+    with Status() as line:       # ended whatever happens: an error never lands on it
+        # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
+        # Memory plays no part there, so far more options are dead ends than under a budget.
+        if _wide(enum):
+            problem, sol = _solve_by_axes(enum, budget_bytes, options, line, graph)
+            choice = sol.choice
+        else:
+            problem, sol, choice = _solve_built(enum.build(), budget_bytes, options, line, graph, enum)
+        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+        line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
+                  f"{stats.wall_time:.1f} s")
+    plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
+    return plan, graph
+
+
+# Table cells past which a mesh of three or more axes is searched a few options at a time
+# instead of priced whole: pricing costs about 1 us a cell plus 20 us a distinct pair of specs.
+_WIDE_CELLS = 100_000
+
+
+def _wide(enum: Enumerator) -> bool:
+    return sum(n > 1 for n in enum.sizes) >= 3 and enum.table_cells() > _WIDE_CELLS
+
+
+def _solve_by_axes(enum, budget_bytes, options, line, graph):
+    """``(problem without tables, solution)`` for a wide problem (tables too large to price whole:
+    meshes of three or more axes): a search that moves one or two mesh axes at a time and prices
+    only the options each move may take; under the budget from the leanest plan where the
+    unconstrained plan does not fit."""
+    nodes = enum.build(tables=False)
+    search = functools.partial(solve_by_axis_blocks, enum.node_options(), enum.build,
+                               bound=float(sum(n.cost.min() for n in nodes.nodes)), tie_layers=options.tie_layers)
+    line.say(f"solving: {len(nodes.nodes)} decisions, by mesh axes")
+    sol = search([0] * len(nodes.nodes))
+    if peak_memory(nodes, sol.choice) <= budget_bytes:
+        return nodes, sol
+    # The leanest plan needs no tables (memory is per node): CP-SAT on the nodes alone.
+    tied = tie(nodes) if options.tie_layers else None
+    lean_problem = tied.problem if tied else nodes
+    line.say("solving for the leanest plan")
+    lean = solve(lean_problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
+                 status_line=line)
+    if lean is None or peak_memory(lean_problem, lean.choice) > budget_bytes:
+        _raise_infeasible(graph, enum, lean_problem, budget_bytes, lean)
+    line.say(f"solving under the memory budget {format_bytes(budget_bytes)}, by mesh axes")
+    return nodes, search(untie(tied, lean.choice) if tied else lean.choice, budget_bytes=budget_bytes,
+                         time_limit=options.time_limit, relative_gap=options.relative_gap)
+
+
+def _solve_built(problem, budget_bytes, options, line, graph, enum):
+    """``(problem, solution, choice)`` with every table built: exactly where elimination can,
+    under the memory budget with CP-SAT where the unconstrained optimum does not fit."""
     tied = tie(problem) if options.tie_layers else None
     solved = tied.problem if tied else problem
     reduced = simplify(solved)
@@ -94,37 +147,29 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         choice = expand(reduced, [int(k[c]) for k, c in zip(keep, sol.choice)], len(solved.nodes))
         return untie(tied, choice) if tied else choice
 
-    start = time.perf_counter()
-    with Status() as line:       # ended whatever happens: an error never lands on it
-        # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
-        # Memory plays no part there, so far more options are dead ends than under a budget.
-        # Solved exactly by variable elimination where the problem is narrow enough (most steps).
-        line.say(f"solving: {len(reduced.problem.nodes)} decisions, {len(reduced.problem.edges)} pairs")
-        free, keep = eliminate_dead_ends(reduced.problem, memory=False)
-        sol = solve_exact(free) or _solve_wide(free, options, line)
+    # Solved exactly by variable elimination where the problem is narrow enough (most steps).
+    line.say(f"solving: {len(reduced.problem.nodes)} decisions, {len(reduced.problem.edges)} pairs")
+    free, keep = eliminate_dead_ends(reduced.problem, memory=False)
+    sol = solve_exact(free) or _solve_wide(free, options, line)
+    choice = full_choice(sol, keep)
+    if peak_memory(problem, choice) > budget_bytes:
+        bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
+        line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
+        # Below the sum of every node's leanest option no plan can fit: skip straight to the
+        # leanest plan (for the error's smallest budget that works).
+        floor = float(_memory_floor(bounded).max())
+        sol = None if floor > budget_bytes else solve(bounded, budget_bytes=budget_bytes,
+                                                      time_limit=options.time_limit,
+                                                      relative_gap=options.relative_gap, status_line=line)
+        if sol is None:
+            line.say("solving for the leanest plan")
+            lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
+                         status_line=line)
+            if lean is None or peak_memory(bounded, lean.choice) > budget_bytes:
+                _raise_infeasible(graph, enum, bounded, budget_bytes, lean)
+            sol = _from_leanest(bounded, lean, budget_bytes, options)
         choice = full_choice(sol, keep)
-        if peak_memory(problem, choice) > budget_bytes:
-            bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
-            line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
-            # Below the sum of every node's leanest option no plan can fit: skip straight to the
-            # leanest plan (for the error's smallest budget that works).
-            floor = float(_memory_floor(bounded).max())
-            sol = None if floor > budget_bytes else solve(bounded, budget_bytes=budget_bytes,
-                                                          time_limit=options.time_limit,
-                                                          relative_gap=options.relative_gap, status_line=line)
-            if sol is None:
-                line.say("solving for the leanest plan")
-                lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
-                             status_line=line)
-                if lean is None or peak_memory(bounded, lean.choice) > budget_bytes:
-                    _raise_infeasible(graph, enum, bounded, budget_bytes, lean)
-                sol = _from_leanest(bounded, lean, budget_bytes, options)
-            choice = full_choice(sol, keep)
-        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
-        line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
-                  f"{stats.wall_time:.1f} s")
-    plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
-    return plan, graph
+    return problem, sol, choice
 
 
 def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
@@ -156,8 +201,9 @@ def _solve_wide(problem, options, line):
     """The unconstrained problem where elimination's tables would be too large (meshes of three or
     more axes): the best plan no move of two mesh axes improves, then CP-SAT from it where its
     model is small enough to improve on it or prove it."""
-    line.say(f"solving: {len(problem.nodes)} decisions, by pairs of mesh axes")
-    sol = solve_by_axis_blocks(problem, greedy(problem))
+    line.say(f"solving: {len(problem.nodes)} decisions, by mesh axes")
+    sol = solve_by_axis_blocks([n.options for n in problem.nodes], restricted_of(problem), greedy(problem),
+                               bound=lower_bound(problem))
     if sum(t.size for t in problem.edges.values()) > _CP_SAT_CELLS:
         return sol
     # A short polish (the local optimum is already a good plan): at most 2 units of CP-SAT time.

@@ -137,6 +137,8 @@ class Enumerator:
         self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
         self.combined = combined_reductions(graph)
+        self._node_options: list[list] | None = None
+        self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
 
     # -- options ---------------------------------------------------------------------------------
     def group_classes(self, root: int) -> list[int]:
@@ -346,8 +348,50 @@ class Enumerator:
         return self.m.compute_time(flops, nbytes, self.g.tensors[dot.lhs].dtype.name)
 
     # -- the problem ------------------------------------------------------------------------------
-    def build(self) -> Problem:
+    def node_options(self) -> list[list]:
+        """Every node's options in :meth:`build`'s node order (groups, then dots), the fixed
+        specs applied: what ``allowed`` indexes. Computed once."""
+        if self._node_options is None:
+            g = self.g
+            out = []
+            for root, members in self.groups.items():
+                ranked = [t for t in members if g.tensors[t].rank]
+                if not ranked:
+                    continue
+                options = self.group_options(root)
+                pins = [(t, self.fixed[t]) for t in ranked if t in self.fixed]
+                if pins:
+                    options = [o for o in options if all(self.tensor_spec_from(g, t, o) == s for t, s in pins)]
+                    if not options:
+                        t, s = pins[0]
+                        raise ValueError(f"no sharding of {g.tensors[t].name} {g.tensors[t].shape} matches the fixed "
+                                         f"spec {s} together with {len(pins) - 1} other fixed tensor(s) of its "
+                                         "group; fix a spec whose sharded dimensions divide evenly")
+                out.append(options)
+            out += [self.dot_options(k) for k in range(len(g.dots))]
+            self._node_options = out
+        return self._node_options
+
+    def table_cells(self) -> int:
+        """How many cells :meth:`build`'s cost tables would have, counted before repeated layers
+        are tied (what building them all costs, roughly)."""
+        g, opts = self.g, self.node_options()
+        node_of_group, n = {}, 0
+        for root, members in self.groups.items():
+            if any(g.tensors[t].rank for t in members):
+                node_of_group[root] = n
+                n += 1
+        size = lambda tid: len(opts[node_of_group[g.group_of(tid)]])
+        cells = sum(size(e.src) * size(e.dst) for e in g.edges)
+        return cells + sum(len(opts[n + k]) * sum(map(size, (d.lhs, d.rhs, d.out))) for k, d in enumerate(g.dots))
+
+    def _full_nodes(self) -> tuple[Problem, dict[int, list[Spec]]]:
+        """Every node with all its options (costs, memory), no tables, and every grouped
+        tensor's spec per option of its node: computed once, subset by :meth:`build`."""
+        if self._full is not None:
+            return self._full
         g = self.g
+        all_options = self.node_options()
         points = g.points
         live_at: dict[int, list[int]] = {}
         for p, live in enumerate(points):
@@ -371,15 +415,7 @@ class Enumerator:
                     for p in live_at.get(t, []):
                         base_memory[p] += g.tensors[t].nbytes * heap
                 continue
-            options = self.group_options(root)
-            pins = [(t, self.fixed[t]) for t in ranked if t in self.fixed]
-            if pins:
-                options = [o for o in options if all(self.tensor_spec_from(g, t, o) == s for t, s in pins)]
-                if not options:
-                    t, s = pins[0]
-                    raise ValueError(f"no sharding of {g.tensors[t].name} {g.tensors[t].shape} matches the fixed "
-                                     f"spec {s} together with {len(pins) - 1} other fixed tensor(s) of its group; "
-                                     "fix a spec whose sharded dimensions divide evenly")
+            options = all_options[len(nodes)]
             cost = np.zeros(len(options))
             memory = np.zeros((len(points), len(options)))
             for t in ranked:
@@ -400,7 +436,38 @@ class Enumerator:
             signature = hash((where, tuple(tuple(spec_of[t]) for t in ranked)))
             nodes.append(Node("group", root, options, cost, memory, label, signature))
 
+        node_of_dot: dict[int, int] = {}
+        for k, dot in enumerate(g.dots):
+            options = all_options[len(nodes)]
+            cost = np.array([dot.mult * self.dot_compute(dot, o) for o in options])
+            node_of_dot[k] = len(nodes)
+            shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
+            signature = hash((dot.dims, shapes, dot.source, tuple(options)))
+            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source, signature))
+        self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
+        return self._full
+
+    def build(self, allowed: list | None = None, *, tables: bool = True) -> Problem:
+        """The :class:`Problem`. ``allowed`` keeps, per node, only these of its
+        :meth:`node_options` (indices; ``None``: all): its tables are priced for those alone,
+        which is how a search over a few options at a time avoids pricing them all.
+        ``tables=False``: nodes only (their options, costs and memory), no edges."""
+        g = self.g
+        full, full_specs = self._full_nodes()
+        node_of_group, node_of_dot = full.node_of_group, full.node_of_dot
+        if allowed is None:
+            allowed = [None] * len(full.nodes)
+        nodes = [dataclasses.replace(n, cost=n.cost.copy()) if ok is None else
+                 dataclasses.replace(n, options=[n.options[i] for i in ok], cost=n.cost[ok], memory=n.memory[:, ok],
+                                     signature=hash((n.signature, tuple(ok))))
+                 for n, ok in zip(full.nodes, allowed)]
         edges = EdgeTables()
+        if not tables:
+            return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)
+        spec_of = {}
+        for t, specs in full_specs.items():
+            ok = allowed[node_of_group[g.group_of(t)]]
+            spec_of[t] = specs if ok is None else [specs[i] for i in ok]
 
         def add_table(a: int, b: int, table: np.ndarray) -> None:
             if a == b:
@@ -452,15 +519,9 @@ class Enumerator:
                 table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
             add_table(a, b, table)
 
-        node_of_dot: dict[int, int] = {}
         for k, dot in enumerate(g.dots):
-            options = self.dot_options(k)
-            cost = np.array([dot.mult * self.dot_compute(dot, o) for o in options])
-            node = len(nodes)
-            node_of_dot[k] = node
-            shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
-            signature = hash((dot.dims, shapes, dot.source, tuple(options)))
-            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source, signature))
+            node = node_of_dot[k]
+            options = nodes[node].options
             derived = [self.dot_specs(dot, o) for o in options]
             groups = [self.partial_groups(dot, o) for o in options]
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
@@ -478,4 +539,4 @@ class Enumerator:
                     cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
                 cells = dot.mult * cells
                 add_table(node, other, cells[np.ix_(w_index, h_index)])
-        return Problem(nodes, edges, base_memory, node_of_group, node_of_dot)
+        return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)
