@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardplan.pipeline import layer_scan
+
 # Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,
 # Megatron's sequence parallelism); unset, ``constrain`` is the identity and the traced step has
 # no constraints (the planner decides activations itself).
@@ -106,5 +108,6 @@ class LayerStack(nnx.Module):
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h), None
 
-        x, _ = jax.lax.scan(remat(body, self.remat, in_scan=True), x, state)
+        # layer_scan is jax.lax.scan unless a pipeline is active (shardplan.pipeline).
+        x, _ = layer_scan(remat(body, self.remat, in_scan=True), x, state)
         return x

@@ -24,6 +24,8 @@ CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpo
 
 
 _LIBRARY_DIRS = tuple(f"{os.sep}{d}{os.sep}" for d in ("flax", "optax", "jax", "jaxlib"))
+# shardplan's own wrappers of user code (layer_scan): the user's line that called them is the source.
+_WRAPPERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline.py"),)
 
 
 def source_of(eqn, inherited: str = "") -> str:
@@ -33,7 +35,7 @@ def source_of(eqn, inherited: str = "") -> str:
     try:
         from jax._src import source_info_util
         for frame in source_info_util.user_frames(eqn.source_info.traceback):
-            if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+            if not any(d in frame.file_name for d in _LIBRARY_DIRS) and frame.file_name not in _WRAPPERS:
                 return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
         return inherited or source_info_util.summarize(eqn.source_info) or "<unknown source>"
     except Exception:  # the summary is a nicety; an internal API change must not break planning

@@ -1,0 +1,205 @@
+"""Pipeline parallelism over a stack of layers: an SPMD pipeline in one ``jax.lax.scan``.
+
+A model marks its layer stack with :func:`layer_scan` in place of ``jax.lax.scan`` (the one line
+a user writes). Outside :func:`pipelined` it *is* ``jax.lax.scan``. Inside, the stack runs as a
+pipeline over one mesh axis, the stage axis:
+
+* the stacked layer parameters ``[layers, ...]`` are viewed as ``[repeats, stages, layers per
+  stage, ...]`` and stage ``s`` holds chunk ``r * stages + s`` of every repeat ``r`` (for GPipe,
+  ``repeats == 1``, that is the contiguous block of layers a ``PartitionSpec("stage")`` on the
+  layer dimension gives it: no data moves; the circular schedule interleaves the chunks, which
+  XLA does with an all-to-all of the parameters over the stage axis);
+* the batch (the leading dimension of every carry leaf) is split into ``microbatches``, each
+  spread over the batch's own sharding (rows ``m, m + M, m + 2M, ...``);
+* one loop of ``microbatches * repeats + stages - 1`` iterations: every stage runs its chunk of
+  layers on the microbatch it holds (a ``vmap`` over the stage dimension, sharded over the stage
+  axis), then the results move one stage on (a roll of the stage dimension, which XLA's
+  partitioner emits as a collective-permute); stage 0 takes the next microbatch, or under the
+  circular schedule the one coming back from the last stage for its next repeat.
+
+The backward pass is the transpose of that loop, which JAX derives: the microbatches flow back
+through the stages in reverse. GPipe keeps every microbatch's activations until the backward
+pass; the bubble is ``(stages - 1) / (microbatches * repeats + stages - 1)`` of the loop.
+
+>>> cfg = PipelineConfig(stages=4, microbatches=8)                       # doctest: +SKIP
+>>> with pipelined(cfg, mesh):                                           # doctest: +SKIP
+...     state, metrics = jax.jit(train_step)(state, batch)   # traced here: its layer_scan pipelines
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardplan.errors import ShardplanError
+
+
+class Schedule(enum.Enum):
+    """How microbatches go round the stages. ``GPIPE``: once through, all forward then all
+    backward. ``CIRCULAR``: ``repeats`` times round (each stage holds ``repeats`` interleaved
+    chunks of layers), which shrinks the bubble by ``repeats`` for the same microbatches."""
+
+    GPIPE = "gpipe"
+    CIRCULAR = "circular"
+
+
+class PipelineError(ShardplanError, ValueError):
+    """A pipeline that cannot run as asked: the message names the setting and what works."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """One pipeline: ``stages`` over mesh axis ``axis``, the batch in ``microbatches``.
+
+    ``repeats`` is the circular schedule's number of rounds (1 for GPipe).
+    """
+
+    stages: int
+    microbatches: int
+    schedule: Schedule = Schedule.GPIPE
+    repeats: int = 1
+    axis: str = "stage"
+
+    def __post_init__(self):
+        if isinstance(self.schedule, str):
+            try:
+                object.__setattr__(self, "schedule", Schedule(self.schedule))
+            except ValueError:
+                raise PipelineError(f"schedule={self.schedule!r} is not a pipeline schedule; choose one of "
+                                    f"{', '.join(s.value for s in Schedule)}") from None
+        for name in ("stages", "microbatches", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PipelineError(f"{name}={value!r} is not a positive whole number")
+        if self.schedule is Schedule.GPIPE and self.repeats != 1:
+            raise PipelineError(f"repeats={self.repeats} needs schedule='circular' (GPipe goes round once)")
+        if self.schedule is Schedule.CIRCULAR and self.microbatches < self.stages:
+            raise PipelineError(f"the circular schedule needs at least as many microbatches as stages: "
+                                f"microbatches={self.microbatches} < stages={self.stages}; use "
+                                f"microbatches>={self.stages} or schedule='gpipe'")
+
+    @property
+    def iterations(self) -> int:
+        """Trips of the pipeline loop: every microbatch's every repeat, plus the fill."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the loop a stage spends idle (filling and draining the pipeline)."""
+        return (self.stages - 1) / self.iterations
+
+    def to_json(self) -> dict:
+        return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule.value,
+                "repeats": self.repeats, "axis": self.axis}
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_pipeline", default=None)
+
+
+@contextlib.contextmanager
+def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh):
+    """Within this context (while a step is traced), :func:`layer_scan` runs as ``config``'s
+    pipeline on ``mesh``, whose axis ``config.axis`` must have ``config.stages`` devices."""
+    if config.axis not in mesh.shape:
+        raise PipelineError(f"the pipeline's stage axis {config.axis!r} is not a mesh axis (axes: "
+                            f"{', '.join(mesh.axis_names)}); name one with PipelineConfig(axis=...)")
+    if mesh.shape[config.axis] != config.stages:
+        raise PipelineError(f"mesh axis {config.axis!r} has {mesh.shape[config.axis]} devices, the pipeline "
+                            f"{config.stages} stages; use stages={mesh.shape[config.axis]} or resize the axis")
+    token = _ACTIVE.set((config, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def layer_scan(f, init, xs, length: int | None = None):
+    """``jax.lax.scan(f, init, xs)`` over a stack of layers (``xs``: the stacked layer
+    parameters, leading dimension the layer), pipelined inside :func:`pipelined`.
+
+    Under a pipeline ``f`` must return ``(carry, None)`` and every carry leaf must have the batch
+    as its leading dimension.
+
+    >>> def body(h, layer):                       # doctest: +SKIP
+    ...     return h + jnp.tanh(h @ layer["w"]), None
+    >>> h, _ = layer_scan(body, h, {"w": stacked})   # was: jax.lax.scan(body, h, {"w": stacked})
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return jax.lax.scan(f, init, xs, length=length)
+    config, mesh = active
+    return _pipeline(f, init, xs, config, mesh), None
+
+
+def _constrain(x, mesh, axis: str | None):
+    """``x`` with its leading dimension on ``axis`` (``None``: whole) and the rest left to XLA."""
+    spec = PartitionSpec(axis, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _pipeline(f, init, xs, config: PipelineConfig, mesh):
+    S, M, R = config.stages, config.microbatches, config.repeats
+    leaves = jax.tree.leaves(xs)
+    if not leaves:
+        raise PipelineError("layer_scan under a pipeline needs stacked layer parameters (xs) to split into stages")
+    layers = leaves[0].shape[0]
+    if layers % (S * R):
+        fits = [s for s in range(1, layers + 1) if layers % (s * R) == 0]
+        raise PipelineError(f"{layers} layers do not split into {S} stages x {R} repeats; stages x repeats must "
+                            f"divide {layers} (stages that do with repeats={R}: {fits})")
+    per = layers // (S * R)
+    batch_sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(init)}
+    if len(batch_sizes) != 1 or None in batch_sizes:
+        raise PipelineError("under a pipeline every layer_scan carry leaf needs the batch as its leading "
+                            f"dimension (leading sizes: {sorted(map(str, batch_sizes))})")
+    (batch,) = batch_sizes
+    if batch % M:
+        raise PipelineError(f"a batch of {batch} does not split into {M} microbatches; use microbatches dividing "
+                            f"{batch}")
+    mb = batch // M
+    ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, jax.tree.map(lambda a: a[0], xs))
+    if jax.tree.leaves(ys):
+        raise PipelineError("under a pipeline the layer_scan body must return (carry, None): per-layer outputs "
+                            "are not collected")
+
+    # Parameters: [layers, ...] -> [stages, repeats, per, ...], stage s holding chunks r * S + s.
+    def stage_major(a):
+        a = a.reshape((R, S, per) + a.shape[1:])
+        return _constrain(jnp.swapaxes(a, 0, 1), mesh, config.axis)
+    params = jax.tree.map(stage_major, xs)
+    # Microbatch m: rows m, m + M, ... (each spread over the batch's sharding), as [M, mb, ...].
+    inputs = jax.tree.map(lambda a: jnp.swapaxes(a.reshape((mb, M) + a.shape[1:]), 0, 1), init)
+
+    def run_chunk(chunk, h):
+        return jax.lax.scan(lambda c, layer: (f(c, layer)[0], None), h, chunk)[0]
+
+    stage_ids = jnp.arange(S)
+    state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
+    outputs = jax.tree.map(jnp.zeros_like, inputs)
+
+    def iteration(carry, t):
+        state, outputs = carry
+        # Stage 0 takes item t: microbatch t % M, repeat t // M (its input, or the last stage's
+        # output of the repeat before).
+        m0, first = t % M, t < M
+        fresh = jax.tree.map(lambda i, o: jnp.where(first, i[m0], o[m0]), inputs, outputs)
+        state = jax.tree.map(lambda s, x: _constrain(s.at[0].set(x), mesh, config.axis), state, fresh)
+        repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)                    # each stage's chunk
+        chunks = jax.tree.map(lambda p: jax.vmap(lambda q, r: q[r])(p, repeat), params)
+        out = jax.vmap(run_chunk)(chunks, state)
+        out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
+        # The last stage finishes item t - (S - 1).
+        done = t - (S - 1)
+        outputs = jax.tree.map(lambda o, a: jnp.where((done >= 0) & (done < M * R),
+                                                      o.at[jnp.maximum(done, 0) % M].set(a[S - 1]), o), outputs, out)
+        state = jax.tree.map(lambda a: _constrain(jnp.roll(a, 1, axis=0), mesh, config.axis), out)
+        return (state, outputs), None
+
+    (_, outputs), _ = jax.lax.scan(iteration, (state, outputs), jnp.arange(config.iterations))
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((batch,) + a.shape[2:]), outputs)

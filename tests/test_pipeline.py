@@ -1,0 +1,163 @@
+"""Pipeline parallelism (shardplan.pipeline): the reference decoders' scanned layer stacks run as
+SPMD pipelines of 2 and 4 stages, GPipe and circular, alone and with data and tensor
+parallelism, and compute what the unpipelined, unsharded step computes; bad settings are refused
+naming the setting."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from shardplan.models.train import reference
+from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, layer_scan, pipelined
+
+STEPS = 3
+BATCH = 16
+
+
+def _mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+    n = int(np.prod(list(axes.values())))
+    devices = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(devices, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _ref(model, optimizer):
+    tx = optax.adamw(1e-2, weight_decay=0.1) if optimizer == "adamw" else optax.sgd(0.1)
+    return reference(model, scan=True, n_layers=8, optimizer=tx)
+
+
+@functools.cache
+def _unpipelined(model, optimizer):
+    ref = _ref(model, optimizer)
+    state, losses = ref.init(jax.random.key(0)), []
+    step = jax.jit(ref.train_step)
+    for k in range(STEPS):
+        state, metrics = step(state, ref.batch(BATCH, seed=k))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state["params"])
+
+
+def _shardings(state, mesh):
+    """Hand shardings: stacked layer leaves on the stage axis (dim 0); with a "model" axis, the
+    last dimension of every matrix over it (tensor parallelism)."""
+    model = mesh.shape.get("model", 1)
+
+    def spec(path, x):
+        if not x.ndim:
+            return NamedSharding(mesh, P())
+        stacked = "layers" in jax.tree_util.keystr(path)
+        entries = ["stage" if stacked else None] + [None] * (x.ndim - 1)
+        if model > 1 and x.ndim >= 2 + stacked and x.shape[-1] % model == 0:
+            entries[-1] = "model"
+        return NamedSharding(mesh, P(*entries))
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def _pipelined_run(model, optimizer, axes, config):
+    ref = _ref(model, optimizer)
+    mesh = _mesh(axes)
+    abstract = jax.eval_shape(ref.init, jax.random.key(0))
+    state_sh = _shardings(abstract, mesh)
+    batch_sh = NamedSharding(mesh, P("data" if "data" in axes else None))
+    with pipelined(config, mesh):
+        step = jax.jit(ref.train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                       donate_argnums=(0,))
+        state = jax.jit(ref.init, out_shardings=state_sh)(jax.random.key(0))
+        compiled = step.lower(abstract, ref.batch(BATCH, abstract=True)).compile().as_text()
+        losses = []
+        for k in range(STEPS):
+            state, metrics = step(state, ref.batch(BATCH, seed=k))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses), state["params"], compiled
+
+
+CASES = [
+    ("gpt-tiny", {"stage": 2}, PipelineConfig(2, 4)),
+    ("gpt-tiny", {"stage": 4, "data": 2}, PipelineConfig(4, 4)),
+    ("gpt-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 2, Schedule.CIRCULAR, repeats=2)),
+    ("llama-tiny", {"stage": 4}, PipelineConfig(4, 8)),
+    ("llama-tiny", {"stage": 4, "data": 2}, PipelineConfig(4, 4, "circular", repeats=2)),
+    ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4)),
+]
+
+
+@pytest.mark.parametrize("model,axes,config", CASES,
+                         ids=[f"{m}-{'x'.join(f'{k}{v}' for k, v in a.items())}-{c.schedule.value}{c.repeats}-mb"
+                              f"{c.microbatches}" for m, a, c in CASES])
+def test_pipelined_step_matches_the_unpipelined_step(model, axes, config):
+    expected, _ = _unpipelined(model, "adamw")
+    losses, _, compiled = _pipelined_run(model, "adamw", axes, config)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert "collective-permute" in compiled          # activations move stage to stage
+    # GPipe's stages hold contiguous blocks of layers: the parameters never move between stages;
+    # the circular schedule interleaves them (an all-to-all over the stage axis). (Tensor
+    # parallelism brings all-to-alls of its own.)
+    if config.schedule is Schedule.CIRCULAR:
+        assert "all-to-all" in compiled
+    elif "model" not in axes:
+        assert "all-to-all" not in compiled
+
+
+def test_pipelined_sgd_parameters_match():
+    _, expected = _unpipelined("gpt-tiny", "sgd")
+    _, params, _ = _pipelined_run("gpt-tiny", "sgd", {"stage": 4, "data": 2}, PipelineConfig(4, 8))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(expected)):
+        scale = float(np.max(np.abs(b))) or 1.0
+        assert float(jnp.max(jnp.abs(np.asarray(a) - b))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_layer_scan_is_a_plain_scan_outside_a_pipeline():
+    xs = jnp.arange(12.0).reshape(4, 3)
+    body = lambda c, x: (c + x, c * x)
+    got, want = layer_scan(body, jnp.ones(3), xs), jax.lax.scan(body, jnp.ones(3), xs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_counts_the_loop_and_its_bubble():
+    gpipe, circular = PipelineConfig(4, 8), PipelineConfig(4, 8, "circular", repeats=2)
+    assert (gpipe.iterations, circular.iterations) == (11, 19)
+    assert gpipe.bubble == pytest.approx(3 / 11) and circular.bubble == pytest.approx(3 / 19)
+    assert circular.to_json() == {"stages": 4, "microbatches": 8, "schedule": "circular", "repeats": 2,
+                                  "axis": "stage"}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"stages": 0, "microbatches": 4}, r"stages=0 is not a positive whole number"),
+    ({"stages": 2, "microbatches": 4, "schedule": "1f1b"}, r"schedule='1f1b' is not a pipeline schedule; .*gpipe"),
+    ({"stages": 2, "microbatches": 4, "repeats": 2}, r"repeats=2 needs schedule='circular'"),
+    ({"stages": 4, "microbatches": 2, "schedule": "circular", "repeats": 2},
+     r"at least as many microbatches as stages: microbatches=2 < stages=4"),
+])
+def test_bad_configs_are_refused_naming_the_setting(kwargs, match):
+    with pytest.raises(PipelineError, match=match):
+        PipelineConfig(**kwargs)
+
+
+def _toy_loss(params, x):
+    h, _ = layer_scan(lambda c, p: (jnp.tanh(c @ p), None), x, params)
+    return h.sum()
+
+
+@pytest.mark.parametrize("layers,batch,axes,config,match", [
+    (6, 8, {"stage": 4}, PipelineConfig(4, 2), r"6 layers do not split into 4 stages x 1 repeats; .*\[1, 2, 3, 6\]"),
+    (4, 6, {"stage": 2}, PipelineConfig(2, 4), r"a batch of 6 does not split into 4 microbatches"),
+    (4, 8, {"data": 2}, PipelineConfig(2, 4), r"stage axis 'stage' is not a mesh axis \(axes: data\)"),
+    (4, 8, {"stage": 4}, PipelineConfig(2, 4), r"mesh axis 'stage' has 4 devices, the pipeline 2 stages"),
+])
+def test_bad_pipelines_are_refused_naming_the_setting(layers, batch, axes, config, match):
+    params, x = jnp.ones((layers, 3, 3)), jnp.ones((batch, 3))
+    with pytest.raises(PipelineError, match=match):
+        with pipelined(config, _mesh(axes)):
+            jax.jit(_toy_loss)(params, x)
+
+
+def test_per_layer_outputs_are_refused_under_a_pipeline():
+    with pytest.raises(PipelineError, match=r"must return \(carry, None\)"):
+        with pipelined(PipelineConfig(2, 2), _mesh({"stage": 2})):
+            jax.jit(lambda p, x: layer_scan(lambda c, w: (c @ w, c), x, p)[0].sum())(jnp.ones((2, 3, 3)),
+                                                                                      jnp.ones((4, 3)))
