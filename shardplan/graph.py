@@ -136,6 +136,7 @@ class Graph:
         self._dims = _UnionFind()
         self._dim_offset: list[int] = []
         self._pinned: set[int] = set()      # dimension keys that must stay unsharded
+        self._required: dict[int, tuple[tuple[str, ...], str]] = {}   # dimension key -> (mesh axes, source)
         self._warned: set[str] = set()
 
     # -- construction --------------------------------------------------------------------------
@@ -177,6 +178,11 @@ class Graph:
         """Dimension ``dim`` of ``tid`` is never sharded (a scan's layer axis)."""
         self._pinned.add(self.dim_key(tid, dim))
 
+    def require(self, tid: int, dim: int, axes: tuple[str, ...], source: str) -> None:
+        """Dimension ``dim`` of ``tid`` is sharded over exactly ``axes`` (``()``: not at all), as
+        a ``with_sharding_constraint`` at ``source`` says."""
+        self._required.setdefault(self.dim_key(tid, dim), (tuple(axes), source))
+
     def add_edge(self, edge: PairEdge) -> None:
         if self.tensors[edge.src].rank and self.tensors[edge.dst].rank:
             self.edges.append(edge)
@@ -197,6 +203,22 @@ class Graph:
 
     def pinned_classes(self) -> set[int]:
         return {self._dims.find(k) for k in self._pinned}
+
+    def required_classes(self) -> dict[int, tuple[str, ...]]:
+        """Dimension class -> the mesh axes a sharding constraint gives it. Where constraints
+        that cannot both hold meet in one class (two specs for tensors that share a sharding),
+        the first constraint holds and a warning names the other."""
+        out: dict[int, tuple[tuple[str, ...], str]] = {}
+        for key, (axes, source) in sorted(self._required.items()):
+            c = self._dims.find(key)
+            if c in out and out[c][0] != axes:
+                kept, where = out[c]
+                self.warn_once(f"constraint {source}", f"shardplan: the sharding constraint at {source} "
+                               f"({axes or 'unsharded'}) contradicts the one at {where} ({kept or 'unsharded'}) "
+                               "on tensors that share a sharding; the first one is kept")
+                continue
+            out.setdefault(c, (axes, source))
+        return {c: axes for c, (axes, _) in out.items()}
 
     def groups(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}

@@ -99,6 +99,10 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
             edge(ins[0], o, required=lambda s, last=last: _clear(s, {last}))
         return
 
+    if prim == "sharding_constraint":
+        _constraint_rule(g, eqn, ins[0], out, edge)
+        return
+
     if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
         for t, o in zip(ins, outs):
             if t is not None and _rank(g, t):
@@ -202,6 +206,25 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     for o in outs:
         for t in operands:
             edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:
+    """``with_sharding_constraint``: the result is sharded as the constraint says on every
+    dimension it names (``None``: unsharded), free on its ``UNCONSTRAINED`` ones; the operand is
+    resharded to it (priced, as XLA does)."""
+    edge(src, out, required=lambda s: s)
+    spec = getattr(eqn.params["sharding"], "spec", None)
+    if spec is None:
+        g.warn_once(f"constraint {source_of(eqn, g.call_source)}", "shardplan: a sharding constraint at "
+                    f"{source_of(eqn, g.call_source)} is not a NamedSharding; the planner does not hold it")
+        return
+    free = eqn.params.get("unconstrained_dims") or ()
+    for d in range(_rank(g, out)):
+        if d in free:
+            continue
+        entry = spec[d] if d < len(spec) else None
+        g.require(out, d, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry),
+                  source_of(eqn, g.call_source))
 
 
 def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:

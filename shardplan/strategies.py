@@ -138,7 +138,23 @@ class Enumerator:
         self._bytes_memo: dict[tuple, float] = {}
         self.combined = combined_reductions(graph)
         self._node_options: list[list] | None = None
+        self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
+
+    def _required_classes(self) -> dict[int, tuple[str, ...]]:
+        """The graph's sharding constraints on this mesh: each class's axes in mesh order, axes of
+        one device dropped; a constraint naming an axis the mesh lacks is not held (warned)."""
+        sizes = dict(zip(self.axes, self.sizes))
+        out = {}
+        for c, axes in self.g.required_classes().items():
+            unknown = [a for a in axes if a not in sizes]
+            if unknown:
+                self.g.warn_once(f"constraint axis {unknown[0]}", f"shardplan: a sharding constraint names mesh "
+                                 f"axis {unknown[0]!r}, which mesh {self.m.mesh.name} does not have (axes: "
+                                 f"{', '.join(self.axes)}); the planner does not hold it")
+                continue
+            out[c] = tuple(a for a in self.axes if a in axes and sizes[a] > 1)
+        return out
 
     # -- options ---------------------------------------------------------------------------------
     def group_classes(self, root: int) -> list[int]:
@@ -160,11 +176,14 @@ class Enumerator:
             repeated.update(c for c in cls if cls.count(c) > 1)
             for c, n in zip(cls, ts.shape):
                 sizes[c].add(n)
-        usable = [c for c in classes if c not in self.pinned and c not in repeated]
-        per_axis = [[c for c in usable if all(n % size == 0 and n >= size for n in sizes[c])] if size > 1 else []
-                    for size in self.sizes]
+        required = {c: self.required[c] for c in classes if c in self.required}
+        at = {a: c for c, axes in required.items() for a in axes}       # axes a constraint places
+        usable = [c for c in classes if c not in self.pinned and c not in repeated and c not in required]
+        per_axis = [[at[axis]] if axis in at else
+                    [-1] + [c for c in usable if all(n % size == 0 and n >= size for n in sizes[c])] if size > 1
+                    else [-1] for axis, size in zip(self.axes, self.sizes)]
         options = []
-        for pick in _assignments(per_axis):
+        for pick in itertools.product(*per_axis):
             option: dict[int, tuple[str, ...]] = {}
             for axis, c in zip(self.axes, pick):
                 if c >= 0:
@@ -359,6 +378,14 @@ class Enumerator:
                 if not ranked:
                     continue
                 options = self.group_options(root)
+                if not options:
+                    t = ranked[0]
+                    held = {d: self.required[self.g.dim_class(t, d)] for d in range(g.tensors[t].rank)
+                            if self.g.dim_class(t, d) in self.required}
+                    raise ValueError(f"no sharding of {g.tensors[t].name} {g.tensors[t].shape} ({g.tensors[t].source}) "
+                                     f"holds its sharding constraints (dimension: mesh axes {held}) on mesh "
+                                     f"{dict(zip(self.axes, self.sizes))}: an axis does not divide its dimension; "
+                                     "constrain to axes whose sizes divide it")
                 pins = [(t, self.fixed[t]) for t in ranked if t in self.fixed]
                 if pins:
                     options = [o for o in options if all(self.tensor_spec_from(g, t, o) == s for t, s in pins)]

@@ -1,0 +1,74 @@
+"""A user's own ``with_sharding_constraint`` is held by the plan: the constrained tensor gets the
+constraint's spec on every dimension it names (unsharded where it says ``None``), the planner
+shards the rest around it, and the planned step computes what plain ``jax.jit`` computes."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import shardplan
+
+MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _step(spec, mesh=MESH):
+    def step(w, x):
+        def loss(w):
+            h = jnp.tanh(x @ w["a"])
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, spec))     # the user's line
+            return jnp.mean((h @ w["b"]) ** 2)
+        value, grads = jax.value_and_grad(loss)(w)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads), value
+    return step
+
+
+def _args():
+    k = jax.random.split(jax.random.key(0), 3)
+    return ({"a": jax.random.normal(k[0], (64, 256)) / 8, "b": jax.random.normal(k[1], (256, 64)) / 16},
+            jax.random.normal(k[2], (32, 64)))
+
+
+@pytest.mark.parametrize("spec,expected", [
+    (P("data", "model"), (("data",), ("model",))),
+    (P(None, "data"), ((), ("data",))),
+    (P(("data", "model"), P.UNCONSTRAINED), (("data", "model"), None)),
+])
+def test_a_users_constraint_is_held_and_the_step_matches_jit(spec, expected):
+    w, x = _args()
+    step = shardplan.auto(_step(spec), mesh=MESH, cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got_w, got_loss = step(w, x)
+    want_w, want_loss = jax.jit(_step(spec))(w, x)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_w), jax.tree.leaves(want_w)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    plan = step.plan
+    assert not plan.warnings
+    rows = [r for r in plan.activations if r.shape == (32, 256) and "sharding_constraint" in r.name]
+    assert rows, [r.name for r in plan.activations]
+    for r in rows:
+        for d, axes in enumerate(expected):
+            if axes is not None:
+                assert tuple(r.spec[d]) == axes, (r.name, r.spec)
+
+
+def test_a_constraint_on_an_axis_the_mesh_lacks_is_not_held_and_says_so():
+    other = jax.make_mesh((2, 4), ("batch", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    w, x = _args()
+    with pytest.warns(UserWarning, match=r"names mesh axis 'batch', which mesh .* does not have \(axes: data, "
+                                         r"model\); the planner does not hold it"):
+        shardplan.plan(_step(P("batch", None), other), w, x, mesh="cpu-8", cache=False)
+
+
+def test_contradicting_constraints_keep_the_first_and_say_so():
+    def step(x):
+        a = jax.lax.with_sharding_constraint(x, NamedSharding(MESH, P("data", None)))
+        b = jax.lax.with_sharding_constraint(x, NamedSharding(MESH, P("model", None)))
+        return a * b
+    with pytest.warns(UserWarning, match=r"contradicts the one at .*; the first one is kept"):
+        shardplan.plan(step, jnp.ones((32, 8)), mesh=MESH, cache=False)
