@@ -188,16 +188,22 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # Stage 0 takes item t: microbatch t % M, repeat t // M (its input, or the last stage's
         # output of the repeat before).
         m0, first = t % M, t < M
-        fresh = jax.tree.map(lambda i, o: jnp.where(first, i[m0], o[m0]), inputs, outputs)
-        state = jax.tree.map(lambda s, x: _constrain(s.at[0].set(x), mesh, config.axis), state, fresh)
-        repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)                    # each stage's chunk
-        chunks = jax.tree.map(lambda p: jax.vmap(lambda q, r: q[r])(p, repeat), params)
+        take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+        put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+        fresh = jax.tree.map(lambda i, o: jnp.where(first, take(i, m0), take(o, m0)), inputs, outputs)
+        state = jax.tree.map(lambda s, x: _constrain(put(s, x, 0), mesh, config.axis), state, fresh)
+        if R == 1:
+            chunks = jax.tree.map(lambda p: p[:, 0], params)
+        else:
+            repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)                # each stage's chunk
+            chunks = jax.tree.map(lambda p: jax.vmap(take)(p, repeat), params)
         out = jax.vmap(run_chunk)(chunks, state)
         out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
-        outputs = jax.tree.map(lambda o, a: jnp.where((done >= 0) & (done < M * R),
-                                                      o.at[jnp.maximum(done, 0) % M].set(a[S - 1]), o), outputs, out)
+        finished = (done >= 0) & (done < M * R)
+        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, a[S - 1], jnp.maximum(done, 0) % M), o),
+                               outputs, out)
         state = jax.tree.map(lambda a: _constrain(jnp.roll(a, 1, axis=0), mesh, config.axis), out)
         return (state, outputs), None
 

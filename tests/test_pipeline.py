@@ -161,3 +161,28 @@ def test_per_layer_outputs_are_refused_under_a_pipeline():
         with pipelined(PipelineConfig(2, 2), _mesh({"stage": 2})):
             jax.jit(lambda p, x: layer_scan(lambda c, w: (c @ w, c), x, p)[0].sum())(jnp.ones((2, 3, 3)),
                                                                                       jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("model,axes,config", [
+    ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4)),
+    ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4, "circular", repeats=2)),
+])
+def test_the_planner_plans_around_a_pipeline(model, axes, config):
+    """``shardplan.auto`` on a step traced inside ``pipelined``: the pipeline's stage axis is held
+    (its sharding constraints), the planner shards everything else, and the loop matches."""
+    import shardplan
+    expected, _ = _unpipelined(model, "adamw")
+    ref = _ref(model, "adamw")
+    mesh = _mesh(axes)
+    step = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), cache=False, time_limit=2)
+    state, losses = ref.init(jax.random.key(0)), []
+    with pipelined(config, mesh):
+        for k in range(STEPS):
+            state, metrics = step(state, ref.batch(BATCH, seed=k))
+            losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    plan = step.plan
+    assert not plan.warnings, plan.warnings
+    if config.schedule is Schedule.GPIPE:     # each stage's layers where the stage runs them
+        stacked = [r for r in plan.inputs if "['layers']" in r.name and r.role == "params"]
+        assert stacked and all(tuple(r.spec[0]) == ("stage",) for r in stacked), [(r.name, r.spec) for r in stacked]
