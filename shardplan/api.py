@@ -15,12 +15,14 @@ import jax
 
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
+from shardplan import pipeline_search
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
+from shardplan.pipeline import PipelineError
 from shardplan.walk import build_graph
 from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.fit import fit_compiled
 from shardplan.hardware import runs_on, spec_for_mesh
-from shardplan.mesh import MeshSpec, load_mesh
+from shardplan.mesh import MeshSpec, load_mesh, make_jax_mesh
 from shardplan.plan import Plan
 from shardplan.plan import signature as plan_signature
 from shardplan.planner import PlannerOptions, plan_jaxpr
@@ -58,6 +60,54 @@ def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: 
     if cached is None:
         plan_cache.store(directory, key, p)
     return p, graph
+
+
+def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
+                 cache, setting) -> tuple[Plan, tuple]:
+    """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
+    ``setting`` (:func:`shardplan.pipeline_search.candidates`), the lowest predicted step that
+    fits the budget kept."""
+    cands = pipeline_search.candidates(mesh_spec, setting)
+    best, failures = None, []
+    for k, cand in enumerate(cands):
+        if cand.config is not None and len(cands) > 1:
+            with Status() as line:
+                line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
+        try:
+            traced = pipeline_search.trace_for(trace, cand.config, cand.mesh.axis_names, cand.mesh.axis_sizes)
+            if traced is None:
+                failures.append(PipelineError("the step has no shardplan.pipeline.layer_scan: nothing to pipeline "
+                                              "(call layer_scan where the model scans its layers, or plan with "
+                                              "pipeline='off')"))
+                break              # no other pipeline applies either
+            p, graph = _plan_traced(traced, cand.mesh, _budget(memory_budget, cand.mesh), options, cache)
+        except (PipelineError, InfeasibleBudgetError) as e:
+            failures.append(e)
+            continue
+        if cand.config is not None:
+            p = dataclasses.replace(p, pipeline=cand.config.to_json())
+        if best is None or p.cost.step_s < best[0].cost.step_s:
+            best = (p, (graph, traced))
+    if best is None:
+        # The least memory any candidate needed, else why none applied.
+        infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
+        raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+    return best
+
+
+def _pipelined_trace(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
+    """The step traced as ``plan`` was made: inside its pipeline, if it has one."""
+    traced = pipeline_search.trace_for(trace, plan.pipeline_config(), plan.axis_names, plan.axis_sizes)
+    if traced is None:
+        raise PlanMismatchError("the plan pipelines the step's layer_scan, but this step has none")
+    return traced
+
+
+def _bind_in_pipeline(plan: Plan, trace: Callable[[], TracedStep], source: str) -> tuple[Plan, tuple]:
+    """``(plan bound to the step, (graph, traced step))``, the step traced as the plan was made."""
+    traced = _pipelined_trace(trace, plan)
+    bound, graph = bind_plan(plan, traced, source)
+    return bound, (graph, traced)
 
 
 def _given_plan(plan) -> tuple[Plan | None, str]:
@@ -158,8 +208,9 @@ class AutoFunction:
     def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
                  cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | None = None,
-                 **jit_kwargs):
+                 pipeline=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
+        self.pipeline = None if pipeline == "off" else pipeline
         self.cache = cache
         self.fn = fn
         self.given, self._source = _given_plan(plan)
@@ -184,13 +235,23 @@ class AutoFunction:
     def _compiled(self, args, kwargs) -> _Compiled:
         key = signature(self.call, args, kwargs)
         if key not in self._cache:
-            traced = trace_step(self.fn, args, kwargs, self.call)
+            trace = functools.partial(trace_step, self.fn, args, kwargs, self.call)
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             if self.given is not None:
                 check_given_plan(self.given)
+                traced = _pipelined_trace(trace, self.given)
                 plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
                 self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
+            elif self.pipeline is not None:
+                # Planned inside each candidate pipeline (no compiled-budget loop here yet); the plan
+                # runs on the same devices laid out as its axes (a stage axis split off the first).
+                plan, (graph, traced) = share_plan(
+                    lambda: _plan_search(trace, self.mesh_spec, self.budget, self.options, self.cache, self.pipeline),
+                    lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
+                laid = make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
+                self._cache[key] = _Compiled(traced, plan, graph, laid, self.jit_kwargs)
             else:
+                traced = trace()
                 self._cache[key] = self._planned(traced, mesh, [abstract_leaf(x) for x in
                                                                 traced.flat_args(self.call, args, kwargs)])
         self._last = self._cache[key]
@@ -287,7 +348,7 @@ def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
 def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
-         fit_compiled: bool | None = None, **jit_kwargs):
+         fit_compiled: bool | None = None, pipeline=None, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
@@ -297,7 +358,8 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     ``fit_compiled``: compile while planning and hold the budget on the compiled program,
     planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); only where
     the mesh's devices are the priced hardware. Default: on accelerators, off on CPU devices.
-    ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
+    same devices). ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
@@ -310,24 +372,31 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     """
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
-                                 time_limit=time_limit, cache=cache, plan=plan, fit_compiled=fit_compiled, **jit_kwargs)
+                                 time_limit=time_limit, cache=cache, plan=plan, fit_compiled=fit_compiled,
+                                 pipeline=pipeline, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
-                        cache=cache, plan=plan, fit_compiled=fit_compiled, **jit_kwargs)
+                        cache=cache, plan=plan, fit_compiled=fit_compiled, pipeline=pipeline, **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),
          static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (),
-         donate_argnames: Sequence[str] = (), time_limit: float = 30.0, cache=True, **kwargs) -> Plan:
+         donate_argnames: Sequence[str] = (), time_limit: float = 30.0, cache=True, pipeline=None,
+         **kwargs) -> Plan:
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
+
+    ``pipeline``: ``None``/``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`,
+    a number of stages, or ``"auto"``: the step is planned inside each candidate pipeline of
+    its :func:`~shardplan.pipeline.layer_scan` (:mod:`shardplan.pipeline_search`) and the plan
+    with the lowest predicted step that fits is kept; ``plan.pipeline`` says which.
 
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
     """
     mesh_spec = _mesh_spec(mesh, hardware)
     call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
-    traced = trace_step(fn, args, kwargs, call)
     options = PlannerOptions(time_limit=time_limit)
-    p, _ = share_plan(lambda: _plan_traced(traced, mesh_spec, _budget(memory_budget, mesh_spec), options, cache),
-                      lambda q: bind_plan(q, traced, "the plan from process 0"))
+    trace = functools.partial(trace_step, fn, args, kwargs, call)
+    p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline),
+                      lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
     return p
 
 

@@ -98,23 +98,42 @@ class PipelineConfig:
         return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule.value,
                 "repeats": self.repeats, "axis": self.axis}
 
+    @classmethod
+    def from_json(cls, data: dict) -> PipelineConfig:
+        return cls(int(data["stages"]), int(data["microbatches"]), Schedule(data["schedule"]), int(data["repeats"]),
+                   str(data["axis"]))
+
+    def describe(self) -> str:
+        rounds = f", {self.repeats} rounds" if self.schedule is Schedule.CIRCULAR else ""
+        return (f"{self.stages} stages over mesh axis {self.axis!r}, {self.microbatches} microbatches, "
+                f"{self.schedule.value}{rounds} (bubble {self.bubble:.0%})")
+
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_pipeline", default=None)
 
 
+@dataclasses.dataclass
+class Use:
+    """What :func:`pipelined` yields: whether the traced step ran a :func:`layer_scan` pipeline."""
+
+    pipelined: int = 0
+
+
 @contextlib.contextmanager
-def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh):
+def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
     """Within this context (while a step is traced), :func:`layer_scan` runs as ``config``'s
-    pipeline on ``mesh``, whose axis ``config.axis`` must have ``config.stages`` devices."""
+    pipeline on ``mesh`` (a ``Mesh``, or an ``AbstractMesh`` to trace for devices not present),
+    whose axis ``config.axis`` must have ``config.stages`` devices. Yields a :class:`Use`."""
     if config.axis not in mesh.shape:
         raise PipelineError(f"the pipeline's stage axis {config.axis!r} is not a mesh axis (axes: "
                             f"{', '.join(mesh.axis_names)}); name one with PipelineConfig(axis=...)")
     if mesh.shape[config.axis] != config.stages:
         raise PipelineError(f"mesh axis {config.axis!r} has {mesh.shape[config.axis]} devices, the pipeline "
                             f"{config.stages} stages; use stages={mesh.shape[config.axis]} or resize the axis")
-    token = _ACTIVE.set((config, mesh))
+    use = Use()
+    token = _ACTIVE.set((config, mesh, use))
     try:
-        yield
+        yield use
     finally:
         _ACTIVE.reset(token)
 
@@ -133,7 +152,8 @@ def layer_scan(f, init, xs, length: int | None = None):
     active = _ACTIVE.get()
     if active is None:
         return jax.lax.scan(f, init, xs, length=length)
-    config, mesh = active
+    config, mesh, use = active
+    use.pipelined += 1
     return _pipeline(f, init, xs, config, mesh), None
 
 

@@ -98,6 +98,8 @@ class Plan:
     # str() of the argument and output pytree structures (kept when loaded from JSON)
     trees: tuple[str, str] = dataclasses.field(default=("", ""), compare=False, repr=False)
     mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
+    # the pipeline its step was traced in (shardplan.pipeline.PipelineConfig.to_json()), None: none
+    pipeline: dict | None = None
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -149,6 +151,7 @@ class Plan:
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
                                       or "none"),
+                 "pipeline: " + (self.pipeline_config().describe() if self.pipeline else "none"),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
                                                       for k, v in c.memory_bytes_by_role.items()),
                  f"solver: {self.solver.status}, objective {self.solver.objective * 1e3:.3f} ms, "
@@ -169,6 +172,11 @@ class Plan:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
+    def pipeline_config(self):
+        """The :class:`~shardplan.pipeline.PipelineConfig` the step is traced in, or ``None``."""
+        from shardplan.pipeline import PipelineConfig
+        return None if self.pipeline is None else PipelineConfig.from_json(self.pipeline)
+
     # -- identity and serialisation ------------------------------------------------------------------
     def digest(self) -> str:
         """A hash of what the plan makes XLA run: the step's fingerprint, the mesh and every
@@ -177,7 +185,7 @@ class Plan:
         import hashlib
         data = self._data()
         body = {k: data[k] for k in ("fingerprint", "axis_names", "axis_sizes", "dot_operands", "operand_pins",
-                                     "result_pins", "rewrites")}
+                                     "result_pins", "rewrites", "pipeline")}
         body["specs"] = [(r["path"], r["spec"]) for r in data["inputs"] + data["outputs"] + data["activations"]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -200,7 +208,8 @@ class Plan:
                              "made": [list(x) for x in r["made"]], "partial": list(r["partial"])}
                          for k, r in self.rewrites.items()},
             "cost": dataclasses.asdict(self.cost), "solver": solver,
-            "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings)}
+            "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings),
+            "pipeline": self.pipeline}
 
     def to_json(self) -> str:
         """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
@@ -252,7 +261,8 @@ class Plan:
             result_pins={str(k): spec(s) for k, s in data["result_pins"].items()},
             rewrites={str(k): {"kind": str(r["kind"]), "operand": spec(r["operand"]), "made": spec(r["made"]),
                                "partial": tuple(str(a) for a in r["partial"])} for k, r in data["rewrites"].items()},
-            trees=(str(data["in_tree"]), str(data["out_tree"])))
+            trees=(str(data["in_tree"]), str(data["out_tree"])),
+            pipeline=None if data.get("pipeline") is None else dict(data["pipeline"]))
 
     def _inconsistency(self) -> str:
         """What makes a loaded plan unusable, or ``""``."""
@@ -260,6 +270,13 @@ class Plan:
             return "its signature does not hash to its fingerprint"
         if len(self.axis_names) != len(self.axis_sizes) or any(n < 1 for n in self.axis_sizes):
             return f"mesh axes {self.axis_names} do not match sizes {self.axis_sizes}"
+        if self.pipeline is not None:
+            try:
+                config = self.pipeline_config()
+            except (KeyError, TypeError, ValueError) as e:
+                return f"its pipeline {self.pipeline} is not a pipeline ({e})"
+            if dict(zip(self.axis_names, self.axis_sizes)).get(config.axis) != config.stages:
+                return f"its pipeline's {config.stages} stages are not a mesh axis {config.axis!r} of that size"
         known = set(self.axis_names)
         specs = [(r.name, r.shape, r.spec) for r in (*self.inputs, *self.outputs, *self.activations) if r.path]
         specs += [(f"dot {k}", None, s) for k, v in self.dot_operands.items() for s in v]
