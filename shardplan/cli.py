@@ -39,6 +39,19 @@ class _Parser(argparse.ArgumentParser):
 
 # Flag types: a bad value fails while the flags are parsed, before anything is traced or solved.
 
+def _pipeline_setting(text: str):
+    if text in ("auto", "off"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pipeline setting; give auto, off or a number of "
+                                         "stages, e.g. --pipeline 4")
+    return value
+
+
 def _int_at_least(low: int, example: str):
     def parse(text: str) -> int:
         try:
@@ -154,6 +167,9 @@ def _cmd_plan(args) -> int:
     from shardplan.models.train import reference
 
     search = args.axes == "search"
+    if search and args.pipeline not in (None, "off"):
+        raise ValueError("--axes search does not combine with --pipeline; choose the mesh shape first, then "
+                         "plan its pipeline")
     mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
     # "auto": the least recomputation whose plan fits (recomputing costs compute, so the first
     # policy that fits is the fastest one that does).
@@ -175,8 +191,9 @@ def _cmd_plan(args) -> int:
                         shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
                         print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
                 else:
+                    pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")
                     plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
-                                          donate_argnums=(0,), time_limit=args.time_limit)
+                                          donate_argnums=(0,), time_limit=args.time_limit, pipeline=pipeline)
                 break
             except shardplan.InfeasibleBudgetError as e:
                 if k == len(policies) - 1:
@@ -346,6 +363,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--remat", default="none", choices=REMAT_CHOICES + ("auto",),
                    help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
                         "inputs), or auto (the least of these whose plan fits the budget)")
+    p.add_argument("--pipeline", type=_pipeline_setting, default=None,
+                   help="pipeline stages: auto (plan each candidate pipeline, keep the best), off, or a number "
+                        "of stages (default: auto on a mesh of several nodes, else off)")
     p.add_argument("--memory-budget", type=_byte_size, default=None,
                    help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the device, meshes/README.md)")
     p.add_argument("--time-limit", type=_time_limit, default=30.0,

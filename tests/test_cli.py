@@ -268,6 +268,8 @@ BAD_FLAGS = {
                                                                     r"\S+missing, does not exist; create it"),
     "json-folder-is-a-file": ([*PLAN, "--json", "afile/out.json"], ("afile",), r"argument --json: .*afile, is not a folder"),
     "json-is-a-folder": ([*PLAN, "--json", "."], (), r"argument --json: \. is a folder; give a file path"),
+    "pipeline-zero": ([*PLAN, "--pipeline", "0"], (), r"argument --pipeline: '0' is not a pipeline setting; give "
+                                                       r"auto, off or a number of stages"),
 }
 if os.geteuid() != 0:          # root writes anywhere
     BAD_FLAGS["json-not-writable"] = ([*PLAN, "--json", "ro/out.json"], ("ro/",), r"argument --json: .*ro, is not writable")
@@ -444,3 +446,13 @@ def test_ctrl_c_during_the_solve_exits_130_and_writes_nothing(tmp_path):
         pytest.skip(f"CP-SAT did not run for this plan: {lines}")
     assert rc == 130 and lines[-1] == "shardplan: interrupted" and "Traceback" not in "\n".join(lines), (rc, lines)
     assert os.listdir(tmp_path) == []
+
+
+def test_plan_command_pipelines_the_reference_model(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--pipeline", "2", "--activations", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages over mesh axis 'stage', " in out and "{'stage': 2, 'model': 4}" in out
+    # A pipeline the model cannot take: one line naming the setting, exit 2.
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--pipeline", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("shardplan: error: 2 layers do not split into 4 stages"), err
