@@ -198,9 +198,9 @@ _POLISH_LIMIT = 2.0
 
 
 def _solve_wide(problem, options, line):
-    """The unconstrained problem where elimination's tables would be too large (meshes of three or
-    more axes): the best plan no move of two mesh axes improves, then CP-SAT from it where its
-    model is small enough to improve on it or prove it."""
+    """The unconstrained problem, its tables built, where elimination's would be too large: the
+    best plan no move of one mesh axis (nor of two, where that step is small) improves, then
+    CP-SAT from it where its model is small enough to improve on it or prove it."""
     line.say(f"solving: {len(problem.nodes)} decisions, by mesh axes")
     sol = solve_by_axis_blocks([n.options for n in problem.nodes], restricted_of(problem), greedy(problem),
                                bound=lower_bound(problem))
