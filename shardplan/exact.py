@@ -179,9 +179,9 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
         if all(len(ok) == 1 for ok in allowed):
             return None
         sub = restricted(allowed)
-        if budget_bytes is None:
-            sub_choice = solve_reduced(sub, max_entries=max_entries, tie_layers=tie_layers)
-        else:
+        sub_choice = solve_reduced(sub, max_entries=max_entries, tie_layers=tie_layers)
+        if budget_bytes is not None and (sub_choice is None or peak_memory(sub, sub_choice) > budget_bytes):
+            # The step's optimum without the budget, where it fits, is its optimum under it too.
             hint = [ok.index(c) for ok, c in zip(allowed, choice)]
             sub_choice = _solve_budgeted(sub, hint, budget_bytes, time_limit=time_limit, relative_gap=relative_gap,
                                          tie_layers=tie_layers, max_cells=max_cells)
@@ -191,11 +191,14 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
 
     choice, cost = list(start), total_cost(fixed(start), [0] * len(start))
     blocks, max_entries = singles, 25_000_000
+    # A step solved by CP-SAT within its time limit may improve by crumbs, round after round:
+    # under a budget only an improvement past the solver's own gap counts.
+    enough = 1e-9 if budget_bytes is None else max(1e-9, relative_gap)
     while True:
         improved = False
         for block in blocks:
             found = step(block, choice, max_entries)
-            if found is not None and found[1] < cost * (1 - 1e-9):
+            if found is not None and found[1] < cost * (1 - enough):
                 (choice, cost), improved = found, True
         if improved:
             blocks, max_entries = singles, 25_000_000       # settle single-axis moves again
