@@ -23,11 +23,13 @@ from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfi
                               PlanMismatchError, ShardplanError)
 from shardplan.mesh import MeshSpec, load_mesh, preset_names
 from shardplan.multihost import global_batch, local_rows
+from shardplan.pipeline import PipelineConfig, PipelineError, layer_scan, pipelined
 from shardplan.plan import Plan, PredictedCost, TensorPlan
 from shardplan.sizes import parse_bytes
 
 __all__ = [
-    "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "Plan",
-    "PlanFileError", "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan", "auto", "global_batch",
-    "load_mesh", "local_rows", "parse_bytes", "plan", "preset_names", "search_mesh",
+    "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "PipelineConfig",
+    "PipelineError", "Plan", "PlanFileError", "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan",
+    "auto", "global_batch", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
+    "preset_names", "search_mesh",
 ]
