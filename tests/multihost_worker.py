@@ -2,7 +2,8 @@
 
     python tests/multihost_worker.py PROCESS_ID PORT MODE OUT
 
-MODE ``plan`` (or ``plan-batch:N``: this process traces batch N): the step is planned by process 0 only (the solver is refused on process 1) and
+MODE ``plan`` (or ``plan-batch:N``: this process traces batch N; ``pipeline``: in a 2-stage
+pipeline): the step is planned by process 0 only (the solver is refused on process 1) and
 three steps run on a global batch assembled from each process's rows; MODE ``given:PATH``:
 the step runs under the plan file PATH. Writes a JSON result to OUT.
 """
@@ -38,12 +39,17 @@ result = {"process": pid}
 start = time.perf_counter()
 try:
     batch_size = 8
-    if mode.startswith("plan"):       # "plan", or "plan-batch:N": this process traces batch N instead
+    if mode == "pipeline":            # a 2-stage pipeline: the stage axis crosses the processes
+        f = shardplan.auto(ref.train_step, mesh=mesh, hardware=HARDWARE, donate_argnums=(0,), cache=False,
+                           pipeline=shardplan.PipelineConfig(2, 4))
+    elif mode.startswith("plan"):     # "plan", or "plan-batch:N": this process traces batch N instead
         f = shardplan.auto(ref.train_step, mesh=mesh, hardware=HARDWARE, donate_argnums=(0,), cache=False)
         batch_size = int(mode.split(":")[1]) if ":" in mode else 8
     else:
         f = shardplan.auto(ref.train_step, mesh=mesh, plan=mode.split(":", 1)[1], donate_argnums=(0,))
     plan = f.make_plan(jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(batch_size, abstract=True))
+    if plan.pipeline is not None:     # the plan's own axes (a stage axis split off), over the same devices
+        mesh = plan.jax_mesh()
     state = jax.jit(ref.init, out_shardings=plan.in_shardings(mesh)[0])(jax.random.key(0))
     whole = jax.tree.map(np.asarray, ref.batch(8))       # what every host could load; each takes its rows
     shardings = plan.in_shardings(mesh)[1]

@@ -70,6 +70,15 @@ def test_one_plan_reaches_both_processes_and_matches_one_process(single, tmp_pat
     assert results[0]["local_rows"] != results[1]["local_rows"]
 
 
+def test_a_pipelined_plan_reaches_both_processes_and_matches_one_process(single, tmp_path):
+    _, losses = single
+    results, _, _ = _run_two(tmp_path, ["pipeline", "pipeline"])
+    for r in results:
+        assert "error" not in r, r
+        assert r["losses"] == pytest.approx(losses, rel=1e-5)     # the unpipelined step's losses
+    assert results[0]["digest"] == results[1]["digest"]
+
+
 def test_different_plans_on_two_processes_fail_fast(single, tmp_path):
     plan, _ = single
     a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
