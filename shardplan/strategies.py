@@ -402,15 +402,12 @@ class Enumerator:
     def table_cells(self) -> int:
         """How many cells :meth:`build`'s cost tables would have, counted before repeated layers
         are tied (what building them all costs, roughly)."""
-        g, opts = self.g, self.node_options()
-        node_of_group, n = {}, 0
-        for root, members in self.groups.items():
-            if any(g.tensors[t].rank for t in members):
-                node_of_group[root] = n
-                n += 1
-        size = lambda tid: len(opts[node_of_group[g.group_of(tid)]])
+        g, (full, _) = self.g, self._full_nodes()
+        count = [len(n.options) for n in full.nodes]
+        size = lambda tid: count[full.node_of_group[g.group_of(tid)]]
         cells = sum(size(e.src) * size(e.dst) for e in g.edges)
-        return cells + sum(len(opts[n + k]) * sum(map(size, (d.lhs, d.rhs, d.out))) for k, d in enumerate(g.dots))
+        return cells + sum(count[full.node_of_dot[k]] * sum(map(size, (d.lhs, d.rhs, d.out)))
+                           for k, d in enumerate(g.dots))
 
     def _full_nodes(self) -> tuple[Problem, dict[int, list[Spec]]]:
         """Every node with all its options (costs, memory), no tables, and every grouped
