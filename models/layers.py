@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan.pipeline import layer_scan
+from shardplan.recompute import layer_remat
 
 # Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,
 # Megatron's sequence parallelism); unset, ``constrain`` is the identity and the traced step has
@@ -97,11 +98,9 @@ class LayerStack(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if not self.scan:
             for block in self.blocks:
-                if self.remat == "none":
-                    x = block(x)
-                    continue
                 graphdef, state = nnx.split(block)
-                x = remat(lambda h, s, g=graphdef: nnx.merge(g, s)(h), self.remat, in_scan=False)(x, state)
+                # layer_remat: the planner may choose this layer class's recomputation (remat="auto").
+                x = layer_remat(remat(lambda h, s, g=graphdef: nnx.merge(g, s)(h), self.remat, in_scan=False))(x, state)
             return x
         graphdef, state = nnx.split(self.blocks)
 

@@ -25,11 +25,13 @@ from shardplan.mesh import MeshSpec, load_mesh, preset_names
 from shardplan.multihost import global_batch, local_rows
 from shardplan.pipeline import PipelineConfig, PipelineError, layer_scan, pipelined
 from shardplan.plan import Plan, PredictedCost, TensorPlan
+from shardplan.recompute import RecomputeError, layer_remat
 from shardplan.sizes import parse_bytes
 
 __all__ = [
     "AutoFunction", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "PipelineConfig",
-    "PipelineError", "Plan", "PlanFileError", "PlanMismatchError", "PredictedCost", "ShardplanError", "TensorPlan",
-    "auto", "global_batch", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
+    "PipelineError", "Plan", "PlanFileError", "PlanMismatchError", "PredictedCost", "RecomputeError", "ShardplanError",
+    "TensorPlan",
+    "auto", "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
     "preset_names", "search_mesh",
 ]

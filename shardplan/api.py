@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -15,7 +16,7 @@ import jax
 
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
-from shardplan import pipeline_search
+from shardplan import pipeline_search, recompute
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.pipeline import PipelineError
 from shardplan.walk import build_graph
@@ -62,50 +63,136 @@ def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: 
     return p, graph
 
 
+def _remat_setting(remat):
+    """``remat=`` checked: ``None``, ``"auto"``, a policy name or ``{class key: policy}``."""
+    if remat is None or remat == "auto":
+        return remat
+    if not isinstance(remat, (str, dict)):
+        raise recompute.RecomputeError(f"remat={remat!r}: give 'auto', None or a policy name "
+                                       f"({', '.join(recompute.POLICIES)})")
+    with recompute.recomputing(remat):     # checks every name
+        pass
+    return remat
+
+
+def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes):
+    """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
+    none; the traced step is ``None`` where it has no layer_scan to pipeline) with recomputation
+    ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the step as written)."""
+    with contextlib.ExitStack() as stack:
+        sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
+        traced = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
+    return traced, sites
+
+
+def _remat_record(sites: dict, choices) -> dict | None:
+    """``Plan.remat`` for a step traced under ``choices`` meeting ``sites``."""
+    if choices is None:
+        return None
+    pick = (lambda k: choices) if isinstance(choices, str) else \
+        (lambda k: choices.get(k, recompute.USER if sites[k].checkpointed else "none"))
+    return {"sites": [site.to_json(pick(k)) for k, site in sites.items()]}
+
+
 def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
-                 cache, setting) -> tuple[Plan, tuple]:
+                 cache, setting, remat=None) -> tuple[Plan, tuple]:
     """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
-    ``setting`` (:func:`shardplan.pipeline_search.candidates`), the lowest predicted step that
-    fits the budget kept."""
+    ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
+    recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
+    policy}``: that one); the lowest predicted step that fits the budget kept."""
     cands = pipeline_search.candidates(mesh_spec, setting)
-    best, failures = None, []
+    best, failures, no_layers = None, [], False
+
+    met = {}             # the layer classes of the last trace, kept when its plan does not fit
+
+    def plan_in(cand, choices, beat=math.inf):
+        """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
+        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower)."""
+        traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes)
+        met.clear()
+        met.update(sites)
+        if traced is None:
+            raise PipelineError("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
+                                "layer_scan where the model scans its layers, or plan with pipeline='off')")
+        budget = _budget(memory_budget, cand.mesh)
+        p = None
+        if beat < math.inf:
+            p, graph = _plan_traced(traced, cand.mesh, math.inf, options, cache)
+            if p.cost.step_s >= beat:
+                return None
+            if p.cost.memory_bytes > budget:
+                p = None
+        if p is None:
+            p, graph = _plan_traced(traced, cand.mesh, budget, options, cache)
+        return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
+                                   remat=_remat_record(sites, choices)), (graph, traced), sites
+
     for k, cand in enumerate(cands):
         if cand.config is not None and len(cands) > 1:
             with Status() as line:
                 line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
         try:
-            traced = pipeline_search.trace_for(trace, cand.config, cand.mesh.axis_names, cand.mesh.axis_sizes)
-            if traced is None:
-                failures.append(PipelineError("the step has no shardplan.pipeline.layer_scan: nothing to pipeline "
-                                              "(call layer_scan where the model scans its layers, or plan with "
-                                              "pipeline='off')"))
-                break              # no other pipeline applies either
-            p, graph = _plan_traced(traced, cand.mesh, _budget(memory_budget, cand.mesh), options, cache)
+            if remat != "auto":
+                found = [plan_in(cand, remat)[:2]]
+            else:
+                made = {}
+
+                def evaluate(choices, beat=math.inf, cand=cand, made=made):
+                    try:
+                        found = plan_in(cand, choices, beat)
+                    except InfeasibleBudgetError as e:
+                        failures.append(e)
+                        return None
+                    if found is None:
+                        return None
+                    made[id(found[0])] = found[:2]
+                    return found[0]
+
+                def say(text):
+                    with Status() as line:
+                        line.done(f"recomputation candidate: {text}")
+
+                first = evaluate({})                 # the step as written: meets its layer classes
+                sites = dict(met)
+                no_layers = no_layers or not sites
+                if sites:
+                    _, first, _ = recompute.search(evaluate, sites, say=say, first=first)
+                found = [] if first is None else [made[id(first)]]
         except (PipelineError, InfeasibleBudgetError) as e:
             failures.append(e)
+            if isinstance(e, PipelineError) and "no shardplan.pipeline.layer_scan" in str(e):
+                break              # no other pipeline applies either
             continue
-        if cand.config is not None:
-            p = dataclasses.replace(p, pipeline=cand.config.to_json())
-        if best is None or p.cost.step_s < best[0].cost.step_s:
-            best = (p, (graph, traced))
+        for p, rest in found:
+            if best is None or p.cost.step_s < best[0].cost.step_s:
+                best = (p, rest)
     if best is None:
         # The least memory any candidate needed, else why none applied.
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
         raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+    if no_layers and not (best[0].remat or {}).get("sites"):
+        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
+            "remat='auto': the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
+            "recomputation could be chosen; the step is planned as written",)), best[1])
     return best
 
 
-def _pipelined_trace(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
-    """The step traced as ``plan`` was made: inside its pipeline, if it has one."""
-    traced = pipeline_search.trace_for(trace, plan.pipeline_config(), plan.axis_names, plan.axis_sizes)
+def _traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
+    """The step traced as ``plan`` was made: inside its pipeline, if it has one, with its recomputation."""
+    choices = None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
+    traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
     if traced is None:
         raise PlanMismatchError("the plan pipelines the step's layer_scan, but this step has none")
+    missing = [s["where"] for s in (plan.remat or {}).get("sites", ()) if s["key"] not in sites]
+    if missing:
+        raise PlanMismatchError(f"the plan recomputes the layer class at {missing[0]}, which this step does not "
+                                "have (same code line and layer shapes): plan the step again")
     return traced
 
 
 def _bind_in_pipeline(plan: Plan, trace: Callable[[], TracedStep], source: str) -> tuple[Plan, tuple]:
     """``(plan bound to the step, (graph, traced step))``, the step traced as the plan was made."""
-    traced = _pipelined_trace(trace, plan)
+    traced = _traced_as_planned(trace, plan)
     bound, graph = bind_plan(plan, traced, source)
     return bound, (graph, traced)
 
@@ -208,9 +295,10 @@ class AutoFunction:
     def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
                  cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | None = None,
-                 pipeline=None, **jit_kwargs):
+                 pipeline=None, remat=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.pipeline = None if pipeline == "off" else pipeline
+        self.remat = _remat_setting(remat)
         self.cache = cache
         self.fn = fn
         self.given, self._source = _given_plan(plan)
@@ -239,14 +327,16 @@ class AutoFunction:
             mesh = self._jax_mesh if self._jax_mesh is not None else self.mesh_spec.to_jax_mesh()
             if self.given is not None:
                 check_given_plan(self.given)
-                traced = _pipelined_trace(trace, self.given)
+                traced = _traced_as_planned(trace, self.given)
                 plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
                 self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
-            elif self.pipeline is not None:
-                # Planned inside each candidate pipeline (no compiled-budget loop here yet); the plan
-                # runs on the same devices laid out as its axes (a stage axis split off the first).
+            elif self.pipeline is not None or self.remat is not None:
+                # Planned inside each candidate pipeline and recomputation (no compiled-budget loop
+                # here yet); the plan runs on the same devices laid out as its axes (a stage axis
+                # split off the first).
                 plan, (graph, traced) = share_plan(
-                    lambda: _plan_search(trace, self.mesh_spec, self.budget, self.options, self.cache, self.pipeline),
+                    lambda: _plan_search(trace, self.mesh_spec, self.budget, self.options, self.cache, self.pipeline,
+                                         self.remat),
                     lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
                 laid = make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
                 self._cache[key] = _Compiled(traced, plan, graph, laid, self.jit_kwargs)
@@ -348,7 +438,7 @@ def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
 def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
-         fit_compiled: bool | None = None, pipeline=None, **jit_kwargs):
+         fit_compiled: bool | None = None, pipeline=None, remat=None, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
@@ -359,7 +449,7 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); only where
     the mesh's devices are the priced hardware. Default: on accelerators, off on CPU devices.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
-    same devices). ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    same devices). ``remat``: as :func:`plan`'s. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
@@ -373,15 +463,16 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                                  time_limit=time_limit, cache=cache, plan=plan, fit_compiled=fit_compiled,
-                                 pipeline=pipeline, **jit_kwargs)
+                                 pipeline=pipeline, remat=remat, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
-                        cache=cache, plan=plan, fit_compiled=fit_compiled, pipeline=pipeline, **jit_kwargs)
+                        cache=cache, plan=plan, fit_compiled=fit_compiled, pipeline=pipeline, remat=remat,
+                        **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),
          static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (),
          donate_argnames: Sequence[str] = (), time_limit: float = 30.0, cache=True, pipeline=None,
-         **kwargs) -> Plan:
+         remat=None, **kwargs) -> Plan:
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
 
     ``pipeline``: ``None``/``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`,
@@ -389,13 +480,20 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     its :func:`~shardplan.pipeline.layer_scan` (:mod:`shardplan.pipeline_search`) and the plan
     with the lowest predicted step that fits is kept; ``plan.pipeline`` says which.
 
+    ``remat``: ``None`` (the step's recomputation as written), a policy name of
+    :data:`shardplan.recompute.POLICIES` for every layer class, or ``"auto"``: each layer class
+    (a :func:`~shardplan.pipeline.layer_scan` call or a :func:`~shardplan.recompute.layer_remat`
+    layer) gets the policy that, planned jointly with the sharding, gives the lowest predicted
+    step within the budget (:func:`shardplan.recompute.search`); ``plan.remat`` says which.
+
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
     """
     mesh_spec = _mesh_spec(mesh, hardware)
     call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
     options = PlannerOptions(time_limit=time_limit)
     trace = functools.partial(trace_step, fn, args, kwargs, call)
-    p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline),
+    remat = _remat_setting(remat)
+    p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline, remat),
                       lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
     return p
 

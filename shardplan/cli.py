@@ -161,52 +161,86 @@ def _fake_cpu_devices(n: int | None) -> None:
 
 
 def _cmd_plan(args) -> int:
-    _fake_cpu_devices(None)
-    import jax
     import shardplan
-    from shardplan.models.train import reference
-
     search = args.axes == "search"
     if search and args.pipeline not in (None, "off"):
         raise ValueError("--axes search does not combine with --pipeline; choose the mesh shape first, then "
                          "plan its pipeline")
+    if search and args.remat == "auto":
+        raise ValueError("--axes search does not combine with --remat auto; choose the mesh shape first, then "
+                         "plan its recomputation")
     mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
-    # "auto": the least recomputation whose plan fits (recomputing costs compute, so the first
-    # policy that fits is the fastest one that does).
-    policies = REMAT_CHOICES if args.remat == "auto" else (args.remat,)
+    # --verify lays the plan over fake CPU devices to compile it (for any target, as audit does).
+    _fake_cpu_devices(mesh.num_devices if args.verify is not None else None)
+    import jax
+    from shardplan.models.train import reference
+    if args.verify is not None:
+        from shardplan import targets
+        target = targets.resolve(args.verify, mesh)
+        if not targets.available(target):
+            print(f"shardplan: error: --verify {target}: the {target.upper()} compiler is not installed; "
+                  "pip install 'shardplan[aot]' (or --verify cpu)", file=sys.stderr)
+            return 2
+    # "auto": the planner chooses each layer class's recomputation with the sharding
+    # (shardplan.recompute); otherwise the model is built with that policy in every layer.
+    remat = "none" if args.remat == "auto" else args.remat
+    ref = reference(args.model, scan=args.scan, remat=remat)
+    print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat}, "
+          f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
+          file=sys.stderr, flush=True)
+    state = jax.eval_shape(ref.init, jax.random.key(0))
+    batch = ref.batch(args.batch, abstract=True)
     with _interruptible():
-        for k, remat in enumerate(policies):
-            ref = reference(args.model, scan=args.scan, remat=remat)
-            print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {remat}, "
-                  f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
-                  file=sys.stderr, flush=True)
-            state = jax.eval_shape(ref.init, jax.random.key(0))
-            batch = ref.batch(args.batch, abstract=True)
-            try:
-                if search:
-                    plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
-                                                        memory_budget=args.memory_budget, donate_argnums=(0,),
-                                                        time_limit=args.time_limit)
-                    for axes, step_s, secs in tried:
-                        shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
-                        print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
-                else:
-                    pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")
-                    plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=args.memory_budget,
-                                          donate_argnums=(0,), time_limit=args.time_limit, pipeline=pipeline)
-                break
-            except shardplan.InfeasibleBudgetError as e:
-                if k == len(policies) - 1:
-                    raise
-                print(f"remat {remat}: no plan fits ({str(e).splitlines()[0][:160]}); trying more recomputation",
-                      file=sys.stderr)
-    if args.remat == "auto":
-        print(f"remat auto: {remat} is the least recomputation that fits", file=sys.stderr)
+        if search:
+            plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
+                                                memory_budget=args.memory_budget, donate_argnums=(0,),
+                                                time_limit=args.time_limit)
+            for axes, step_s, secs in tried:
+                shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
+                print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
+        else:
+            pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")
+
+            def plan_for(budget):
+                return shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=budget,
+                                      donate_argnums=(0,), time_limit=args.time_limit, pipeline=pipeline,
+                                      remat="auto" if args.remat == "auto" else None)
+            if args.verify is None:
+                plan = plan_for(args.memory_budget)
+            else:
+                plan = _verified(plan_for, ref.train_step, (state, batch), mesh, args.memory_budget, target)
     print(plan.explain(max_activations=args.activations))
     if args.json:
         _write_atomically(args.json, plan.to_json())     # never a half-written plan on disk
         print(f"plan written to {args.json}", file=sys.stderr)
     return 0
+
+
+def _verified(plan_for, step, args, mesh, memory_budget, target: str):
+    """The plan of ``plan_for(budget)`` whose program, compiled for ``target``, fits the budget
+    (:func:`shardplan.fit.fit_compiled`); each compile's bytes are reported on standard error."""
+    import shardplan
+    from shardplan.audit import compiled_memory
+    from shardplan.fit import fit_compiled
+    from shardplan.sizes import format_bytes
+    budget = memory_budget if memory_budget is not None else mesh.device.budget_bytes
+
+    def compile_plan(plan):
+        f = shardplan.auto(step, plan=plan, donate_argnums=(0,))
+        compiled, _, compiler = f.compile_for(target, *args)
+        print(f"compiled on {compiler}: {format_bytes(compiled_memory(compiled))} per device (predicted "
+              f"{format_bytes(plan.cost.memory_bytes)}, budget {format_bytes(budget)})", file=sys.stderr, flush=True)
+        return compiler, compiled
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+
+    plan, compiler, attempts = fit_compiled(plan_for, compile_plan, budget, lambda p: p.cost.memory_bytes, say=say,
+                                            identity=lambda p: p.digest())
+    print(f"verified: the compiled program needs {format_bytes(attempts[-1].compiled_bytes)} per device on "
+          f"{compiler}, within the budget {format_bytes(budget)}"
+          + (f" (planned again {len(attempts) - 1} time(s))" if len(attempts) > 1 else ""), file=sys.stderr)
+    return plan
 
 
 def _cmd_audit(args) -> int:
@@ -362,7 +396,8 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
     p.add_argument("--remat", default="none", choices=REMAT_CHOICES + ("auto",),
                    help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
-                        "inputs), or auto (the least of these whose plan fits the budget)")
+                        "inputs), or auto (each layer class's policy chosen with the sharding: the fastest plan "
+                        "that fits the budget)")
     p.add_argument("--pipeline", type=_pipeline_setting, default=None,
                    help="pipeline stages: auto (plan each candidate pipeline, keep the best), off, or a number "
                         "of stages (default: auto on a mesh of several nodes, else off)")
@@ -374,6 +409,10 @@ def _main(argv: list[str]) -> int:
                    help="activation rows to print")
     p.add_argument("--json", type=_output_file, default=None,
                    help="also write the plan as JSON to this path (its folder must exist and be writable)")
+    p.add_argument("--verify", nargs="?", const="auto", default=None, choices=("auto", "cpu", "gpu", "tpu"),
+                   help="compile the plan for the mesh's real compiler (auto: the preset's GPU or TPU compiler "
+                        "where installed, else cpu) and plan again under a tighter budget while the compiled "
+                        "program exceeds the budget")
     a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
                                      "HLO (exit 1 when a figure diverges)")
     for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--memory-budget", "--time-limit"):

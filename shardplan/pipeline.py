@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardplan import recompute
 from shardplan.errors import ShardplanError
 
 
@@ -149,6 +150,8 @@ def layer_scan(f, init, xs, length: int | None = None):
     ...     return h + jnp.tanh(h @ layer["w"]), None
     >>> h, _ = layer_scan(body, h, {"w": stacked})   # was: jax.lax.scan(body, h, {"w": stacked})
     """
+    # Recomputed as the planner chose for this stack's layer class (shardplan.recompute), if it chose.
+    f = recompute.scan_body(f, init, xs, recompute.caller(1))
     active = _ACTIVE.get()
     if active is None:
         return jax.lax.scan(f, init, xs, length=length)

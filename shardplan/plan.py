@@ -100,6 +100,9 @@ class Plan:
     mesh_spec: Any = dataclasses.field(default=None, compare=False, repr=False)   # the MeshSpec it was priced on
     # the pipeline its step was traced in (shardplan.pipeline.PipelineConfig.to_json()), None: none
     pipeline: dict | None = None
+    # the recomputation its step was traced with, per layer class (shardplan.recompute):
+    # {"sites": [{"key", "where", "layers", "policy"}]}; None: the step as written
+    remat: dict | None = None
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -152,6 +155,7 @@ class Plan:
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
                                       or "none"),
                  "pipeline: " + (self.pipeline_config().describe() if self.pipeline else "none"),
+                 "recomputation: " + _describe_remat(self.remat),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
                                                       for k, v in c.memory_bytes_by_role.items()),
                  f"solver: {self.solver.status}, objective {self.solver.objective * 1e3:.3f} ms, "
@@ -185,7 +189,7 @@ class Plan:
         import hashlib
         data = self._data()
         body = {k: data[k] for k in ("fingerprint", "axis_names", "axis_sizes", "dot_operands", "operand_pins",
-                                     "result_pins", "rewrites", "pipeline")}
+                                     "result_pins", "rewrites", "pipeline", "remat")}
         body["specs"] = [(r["path"], r["spec"]) for r in data["inputs"] + data["outputs"] + data["activations"]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -209,7 +213,7 @@ class Plan:
                          for k, r in self.rewrites.items()},
             "cost": dataclasses.asdict(self.cost), "solver": solver,
             "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings),
-            "pipeline": self.pipeline}
+            "pipeline": self.pipeline, "remat": self.remat}
 
     def to_json(self) -> str:
         """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
@@ -262,7 +266,10 @@ class Plan:
             rewrites={str(k): {"kind": str(r["kind"]), "operand": spec(r["operand"]), "made": spec(r["made"]),
                                "partial": tuple(str(a) for a in r["partial"])} for k, r in data["rewrites"].items()},
             trees=(str(data["in_tree"]), str(data["out_tree"])),
-            pipeline=None if data.get("pipeline") is None else dict(data["pipeline"]))
+            pipeline=None if data.get("pipeline") is None else dict(data["pipeline"]),
+            remat=None if data.get("remat") is None else {"sites": [
+                {"key": str(r["key"]), "where": str(r["where"]), "layers": int(r["layers"]),
+                 "policy": str(r["policy"])} for r in data["remat"]["sites"]]})
 
     def _inconsistency(self) -> str:
         """What makes a loaded plan unusable, or ``""``."""
@@ -277,6 +284,11 @@ class Plan:
                 return f"its pipeline {self.pipeline} is not a pipeline ({e})"
             if dict(zip(self.axis_names, self.axis_sizes)).get(config.axis) != config.stages:
                 return f"its pipeline's {config.stages} stages are not a mesh axis {config.axis!r} of that size"
+        from shardplan.recompute import POLICIES, USER
+        for site in (self.remat or {}).get("sites", ()):
+            if site["policy"] not in (*POLICIES, USER):
+                return f"layer class {site['where']}: recomputation policy {site['policy']!r} is not one of " \
+                       f"{', '.join((*POLICIES, USER))}"
         known = set(self.axis_names)
         specs = [(r.name, r.shape, r.spec) for r in (*self.inputs, *self.outputs, *self.activations) if r.path]
         specs += [(f"dot {k}", None, s) for k, v in self.dot_operands.items() for s in v]
@@ -385,3 +397,8 @@ def fingerprint(shapes: list[tuple[tuple[int, ...], str]]) -> str:
     return hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
 
 
+def _describe_remat(remat: dict | None) -> str:
+    """Each layer class's recomputation policy, for ``explain``."""
+    if not remat or not remat.get("sites"):
+        return "as the step is written"
+    return "; ".join(f"{s['where']} ({s['layers']} layers): {s['policy']}" for s in remat["sites"])

@@ -91,11 +91,11 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
         # Memory plays no part there, so far more options are dead ends than under a budget.
         if _wide(enum):
-            problem, sol = _solve_by_axes(enum, budget_bytes, options, line, graph)
+            problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph)
             choice = sol.choice
         else:
-            problem, sol, choice = _solve_built(enum.build(), budget_bytes, options, line, graph, enum)
-        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+            problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum)
+        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
         line.done(f"planned: {stats.status}, predicted step {stats.objective * 1e3:.3f} ms, gap {stats.gap:.2%}, "
                   f"{stats.wall_time:.1f} s")
     plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
@@ -112,7 +112,7 @@ def _wide(enum: Enumerator) -> bool:
 
 
 def _solve_by_axes(enum, budget_bytes, options, line, graph):
-    """``(problem without tables, solution)`` for a wide problem (tables too large to price whole:
+    """``(problem without tables, solution, whether the budget shaped it)`` for a wide problem (tables too large to price whole:
     meshes of three or more axes): a search that moves one or two mesh axes at a time and prices
     only the options each move may take; under the budget from the leanest plan where the
     unconstrained plan does not fit."""
@@ -122,7 +122,7 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph):
     line.say(f"solving: {len(nodes.nodes)} decisions, by mesh axes")
     sol = search([0] * len(nodes.nodes))
     if peak_memory(nodes, sol.choice) <= budget_bytes:
-        return nodes, sol
+        return nodes, sol, False
     # The leanest plan needs no tables (memory is per node): CP-SAT on the nodes alone.
     tied = tie(nodes) if options.tie_layers else None
     lean_problem = tied.problem if tied else nodes
@@ -133,11 +133,11 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph):
         _raise_infeasible(graph, enum, lean_problem, budget_bytes, lean)
     line.say(f"solving under the memory budget {format_bytes(budget_bytes)}, by mesh axes")
     return nodes, search(untie(tied, lean.choice) if tied else lean.choice, budget_bytes=budget_bytes,
-                         time_limit=options.time_limit, relative_gap=options.relative_gap)
+                         time_limit=options.time_limit, relative_gap=options.relative_gap), True
 
 
 def _solve_built(problem, budget_bytes, options, line, graph, enum):
-    """``(problem, solution, choice)`` with every table built: exactly where elimination can,
+    """``(problem, solution, choice, whether the budget shaped it)`` with every table built: exactly where elimination can,
     under the memory budget with CP-SAT where the unconstrained optimum does not fit."""
     tied = tie(problem) if options.tie_layers else None
     solved = tied.problem if tied else problem
@@ -152,7 +152,8 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum):
     free, keep = eliminate_dead_ends(reduced.problem, memory=False)
     sol = solve_exact(free) or _solve_wide(free, options, line)
     choice = full_choice(sol, keep)
-    if peak_memory(problem, choice) > budget_bytes:
+    bound = peak_memory(problem, choice) > budget_bytes
+    if bound:
         bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
         line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")
         # Below the sum of every node's leanest option no plan can fit: skip straight to the
@@ -169,7 +170,7 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum):
                 _raise_infeasible(graph, enum, bounded, budget_bytes, lean)
             sol = _from_leanest(bounded, lean, budget_bytes, options)
         choice = full_choice(sol, keep)
-    return problem, sol, choice
+    return problem, sol, choice, bound
 
 
 def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:

@@ -30,6 +30,7 @@ class SolverStats:
     wall_time: float          # seconds
     num_variables: int
     num_constraints: int
+    memory_bound: bool = False  # the budget shaped the plan: the unconstrained optimum does not fit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,3 +94,20 @@ def test_audit_target_flag_says_which_compiler_and_refuses_a_missing_one(tmp_pat
         bad = subprocess.run([sys.executable, "-m", "shardplan.cli", "audit", "--model", "gpt-tiny", "--mesh",
                               "tpu-v5e-256", "--target", "tpu"], capture_output=True, text=True, env=env, timeout=600)
         assert bad.returncode == 2 and "pip install 'shardplan[aot]'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@needs_gpu
+def test_plan_verify_holds_the_budget_on_the_gpu_compiler(tmp_path):
+    """``shardplan plan --verify gpu``: the plan's program compiled for 8 H100s fits the budget
+    (re-planned under a tighter one when it did not), and a budget no compiled plan meets exits
+    non-zero with the least memory one needed."""
+    env = {"CI": "true", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "shardplan.cli", "plan", "--model", "gpt-tiny", "--mesh", "h100-8", "--batch", "16",
+           "--time-limit", "2", "--verify", "gpu"]
+    run = subprocess.run(cmd + ["--memory-budget", "64MiB"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "compiled on XLA GPU (deviceless" in run.stderr and "verified: the compiled program needs" in run.stderr
+    needed = shardplan.parse_bytes(run.stderr.split("verified: the compiled program needs ")[1].split(" per")[0])
+    assert needed <= shardplan.parse_bytes("64MiB")
+    bad = subprocess.run(cmd + ["--memory-budget", "1KiB"], capture_output=True, text=True, env=env, timeout=600)
+    assert bad.returncode != 0 and "no plan fits" in bad.stderr and "Traceback" not in bad.stderr

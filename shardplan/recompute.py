@@ -1,0 +1,258 @@
+"""Activation recomputation chosen per layer class, jointly with the sharding.
+
+A *layer class* is a place in the model's code that runs layers: a :func:`~shardplan.pipeline.layer_scan`
+call (a scanned stack) or a function wrapped by :func:`layer_remat` (one unrolled layer, called
+once per layer from the same line), told apart further by the shapes it is called with, so one
+``LayerStack`` class used for an encoder of width 512 and a decoder of width 1024 gives two
+classes. Each class gets one of :data:`POLICIES`, the ``jax.checkpoint`` policies MaxText offers:
+
+* ``"none"``: every residual kept for the backward pass;
+* ``"dots_all"``: the results of every matmul kept (``dots_saveable``), the rest recomputed;
+* ``"dots"``: the matmuls without batch dimensions kept, that is the weight projections
+  (``dots_with_no_batch_dims_saveable``, MaxText's "minimal"); attention scores are recomputed;
+* ``"full"``: only each layer's input kept, everything else recomputed (``nothing_saveable``).
+
+The step is traced once per assignment of policies (inside :func:`recomputing`); the traced
+program then holds what each policy recomputes, so the ILP prices the recomputed FLOPs (and any
+collective they repeat) and the activations each keeps, on the sharding it chooses with them.
+:func:`search` picks the assignment with the lowest predicted step that fits the budget. A class
+whose code already recomputes (the user's own ``jax.checkpoint``/``nnx.remat`` inside it) keeps
+the user's policy unless a policy is asked for by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import itertools
+import math
+import sys
+from collections.abc import Callable
+
+import jax
+
+from shardplan.errors import ShardplanError
+
+# Named policies -> jax.checkpoint_policies attribute; ordered from the least recomputation to the most.
+POLICIES = {"none": None, "dots_all": "dots_saveable", "dots": "dots_with_no_batch_dims_saveable",
+            "full": "nothing_saveable"}
+USER = "user"       # the class's own jax.checkpoint is kept
+
+
+class RecomputeError(ShardplanError, ValueError):
+    """A recomputation setting that cannot apply: the message names it and what works."""
+
+
+def checkpoint_policy(name: str):
+    """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for ``"none"``."""
+    if name not in POLICIES:
+        raise RecomputeError(f"recomputation policy {name!r} is not one of {', '.join(POLICIES)}")
+    return None if POLICIES[name] is None else getattr(jax.checkpoint_policies, POLICIES[name])
+
+
+@dataclasses.dataclass
+class Site:
+    """One layer class as the traced step met it."""
+
+    key: str            # where + a hash of the shapes it was called with: stable across processes and runs
+    where: str          # "models.layers:160 (LayerStack.__call__)"
+    layers: int         # layers of this class in the step (a scan's length, or one per call)
+    checkpointed: bool  # the code already recomputes (its own jax.checkpoint)
+
+    def to_json(self, policy: str) -> dict:
+        return {"key": self.key, "where": self.where, "layers": self.layers, "policy": policy}
+
+
+@dataclasses.dataclass
+class _Active:
+    choices: dict[str, str] | str     # key -> policy, or one policy for every class
+    sites: dict[str, Site]
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_recompute", default=None)
+
+
+@contextlib.contextmanager
+def recomputing(choices: dict[str, str] | str):
+    """Within this context (while a step is traced), every layer class recomputes as ``choices``
+    says: a policy name for all, or ``{site key: policy}`` (a class not named: ``"none"``;
+    :data:`USER`: its own checkpoint as written). Yields ``{key: Site}`` of the classes met."""
+    for name in ([choices] if isinstance(choices, str) else choices.values()):
+        if name != USER:
+            checkpoint_policy(name)
+    active = _Active(choices, {})
+    token = _ACTIVE.set(active)
+    try:
+        yield active.sites
+    finally:
+        _ACTIVE.reset(token)
+
+
+def caller(depth: int) -> str:
+    """``module:line (function)`` of the frame ``depth`` above the caller: stable wherever the
+    code is installed, unlike a file path."""
+    frame = sys._getframe(depth + 1)
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}:{frame.f_lineno} ({frame.f_code.co_qualname})"
+
+
+def _shapes(tree) -> str:
+    leaves = jax.tree.leaves(tree)
+    return ",".join(f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}" for x in leaves)
+
+
+def _recomputes(jaxpr) -> bool:
+    from jax.extend.core import jaxprs_in_params
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("checkpoint", "remat2", "remat"):
+            return True
+        if any(_recomputes(getattr(j, "jaxpr", j)) for j in jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _already_checkpointed(f, args) -> bool:
+    """Whether ``f`` on abstract ``args`` recomputes anything itself (a ``jax.checkpoint`` inside)."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
+    try:
+        return _recomputes(jax.make_jaxpr(f)(*abstract).jaxpr)
+    except Exception:          # noqa: BLE001 - a body we cannot trace alone is traced in place, as written
+        return False
+
+
+def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int) -> str | None:
+    """The policy the active context gives this class (``None``: leave ``f`` as it is)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    key = f"{where}#{hashlib.sha256(shape_sig.encode()).hexdigest()[:8]}"
+    site = active.sites.get(key)
+    if site is None:
+        site = active.sites[key] = Site(key, where, 0, _already_checkpointed(f, probe_args))
+    site.layers += layers
+    if isinstance(active.choices, str):
+        return active.choices
+    # A class the choices do not name keeps what its code does: its own checkpoint, or none.
+    return active.choices.get(key, USER if site.checkpointed else "none")
+
+
+def _wrap(f, policy: str | None, *, in_scan: bool):
+    if policy in (None, USER, "none"):
+        return f
+    # In a scan body, CSE across trips cannot undo the recomputation: prevent_cse is not needed.
+    return jax.checkpoint(f, policy=checkpoint_policy(policy), prevent_cse=not in_scan)
+
+
+def scan_body(f, init, xs, where: str):
+    """``f`` (a :func:`~shardplan.pipeline.layer_scan` body) under its class's policy."""
+    if _ACTIVE.get() is None:
+        return f
+    leaves = jax.tree.leaves(xs)
+    layers = int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
+    policy = _policy_for(where, _shapes((init, xs)), f, (init, one), layers)
+    return _wrap(f, policy, in_scan=True)
+
+
+def layer_remat(f: Callable) -> Callable:
+    """``f`` (one layer of an unrolled stack, called once per layer) recomputed as the planner
+    chooses for its class: the line that calls ``layer_remat`` with the shapes ``f`` gets. Outside
+    planning it is ``f`` itself.
+
+    >>> for block in blocks:                                # doctest: +SKIP
+    ...     x = shardplan.layer_remat(block)(x)
+    """
+    where = caller(1)
+
+    @functools.wraps(f)
+    def call(*args):
+        if _ACTIVE.get() is None:
+            return f(*args)
+        policy = _policy_for(where, _shapes(args), f, args, 1)
+        return _wrap(f, policy, in_scan=False)(*args)
+
+    return call
+
+
+# -- choosing ------------------------------------------------------------------------------------
+
+def _fits_unbound(plan) -> bool:
+    return plan is not None and not plan.solver.memory_bound
+
+
+def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], *,
+           policies=tuple(POLICIES), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
+           first=...):
+    """The assignment of ``policies`` to the classes in ``sites`` whose plan ``evaluate`` predicts
+    the fastest. ``evaluate(choices, beat)`` traces and plans the step under ``{key: policy}``;
+    ``None`` where no plan fits, or none can be faster than ``beat`` seconds. ``first``: its plan
+    for the step as written, if already made. Returns ``(choices, plan, tried)`` with ``tried``
+    the ``(choices, plan or None)`` in order; ``plan`` is ``None`` where nothing fits.
+
+    No recomputation is tried first; where its plan fits without the budget shaping it (the
+    unconstrained optimum fits), recomputing can only add compute and the search stops there.
+    Otherwise every assignment is planned for up to ``max_exhaustive`` classes; beyond that each
+    policy for all classes, then one class at a time changed while the step improves. Either way
+    an assignment that recomputes at least as much in every class as one that fit unshaped by
+    the budget is not planned (it can only add compute).
+    """
+    free = [k for k, s in sites.items() if not s.checkpointed]
+    fixed = {k: USER for k, s in sites.items() if s.checkpointed}
+    tried: list[tuple[dict[str, str], object]] = []
+    seen: dict[tuple, object] = {}
+
+    def run(assign: dict[str, str]):
+        ident = tuple(sorted(assign.items()))
+        if ident not in seen:
+            choices = {**fixed, **assign}
+            say(", ".join(f"{sites[k].where.split(' ')[0]} {p}" for k, p in assign.items()) or "as written")
+            seen[ident] = evaluate(choices, best.cost.step_s if best is not None else math.inf)
+            tried.append((choices, seen[ident]))
+        return seen[ident]
+
+    def better(a, b):
+        return a is not None and (b is None or a.cost.step_s < b.cost.step_s)
+
+    base = {k: "none" for k in free}
+    best = None
+    if first is not ...:
+        seen[tuple(sorted(base.items()))] = first
+        tried.append(({**fixed, **base}, first))
+    best_assign, best = base, run(base)
+    if not free or _fits_unbound(best):
+        return {**fixed, **best_assign}, best, tried
+    if len(free) <= max_exhaustive:
+        grid = [dict(zip(free, combo)) for combo in itertools.product(policies, repeat=len(free))]
+    else:
+        grid = [{k: p for k in free} for p in policies]
+    # Least recomputation first. POLICIES recompute ever more (each keeps a subset of what the one
+    # before keeps), so an assignment recomputing at least as much in every class as one whose
+    # plan fit unshaped by the budget cannot be faster: it is skipped.
+    rank = {p: i for i, p in enumerate(POLICIES)}
+    unbound: list[dict[str, str]] = []
+    for assign in sorted(grid, key=lambda a: sum(rank[p] for p in a.values())):
+        if any(all(rank[assign[k]] >= rank[u[k]] for k in free) for u in unbound):
+            continue
+        plan = run(assign)
+        if _fits_unbound(plan):
+            unbound.append(assign)
+        if better(plan, best):
+            best_assign, best = assign, plan
+    if len(free) > max_exhaustive and best is not None:
+        improved = True
+        while improved:
+            improved = False
+            for k, p in itertools.product(free, policies):
+                assign = {**best_assign, k: p}
+                if best_assign[k] == p or any(all(rank[assign[j]] >= rank[u[j]] for j in free) for u in unbound):
+                    continue
+                plan = run(assign)
+                if _fits_unbound(plan):
+                    unbound.append(assign)
+                if better(plan, best):
+                    best_assign, best, improved = assign, plan, True
+    return {**fixed, **best_assign}, best, tried
+
