@@ -245,6 +245,8 @@ class _Compiled:
         self.jitted = jax.jit(run, in_shardings=self.in_shardings, out_shardings=out_sh,
                               donate_argnums=flat_donate, **jit_kwargs)
         self._executable = None
+        self.compiled_for: dict[str, tuple] = {}    # deviceless target -> (compiled, jax mesh, compiler)
+        self.fit_attempts: list = []                # the compiled-budget loop's, where it ran
 
     def placed(self, leaves: list) -> list:
         """The leaves on their planned shardings: arrays made elsewhere (on one device, or by
@@ -294,7 +296,7 @@ class AutoFunction:
 
     def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
-                 cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | None = None,
+                 cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | str | None = None,
                  pipeline=None, remat=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.pipeline = None if pipeline == "off" else pipeline
@@ -330,51 +332,83 @@ class AutoFunction:
                 traced = _traced_as_planned(trace, self.given)
                 plan, graph = bound_everywhere(lambda: bind_plan(self.given, traced, self._source))
                 self._cache[key] = _Compiled(traced, plan, graph, mesh, self.jit_kwargs)
-            elif self.pipeline is not None or self.remat is not None:
-                # Planned inside each candidate pipeline and recomputation (no compiled-budget loop
-                # here yet); the plan runs on the same devices laid out as its axes (a stage axis
-                # split off the first).
-                plan, (graph, traced) = share_plan(
-                    lambda: _plan_search(trace, self.mesh_spec, self.budget, self.options, self.cache, self.pipeline,
-                                         self.remat),
-                    lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
-                laid = make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
-                self._cache[key] = _Compiled(traced, plan, graph, laid, self.jit_kwargs)
             else:
-                traced = trace()
-                self._cache[key] = self._planned(traced, mesh, [abstract_leaf(x) for x in
-                                                                traced.flat_args(self.call, args, kwargs)])
+                self._cache[key] = self._planned(trace, mesh, args, kwargs)
         self._last = self._cache[key]
         return self._last
 
-    def _planned(self, traced: TracedStep, mesh: jax.sharding.Mesh, abstract: list) -> _Compiled:
-        """Plan and, where the mesh's devices are the hardware the plan is priced for, compile
-        at once and hold the budget on the compiled program (:func:`shardplan.fit.fit_compiled`)."""
-        def plan_for(budget: int):
-            return share_plan(lambda: _plan_traced(traced, self.mesh_spec, budget, self.options, self.cache),
-                              lambda p: bind_plan(p, traced, "the plan from process 0"))
+    def _plan_for(self, trace: Callable[[], TracedStep]):
+        """``plan_for(budget) -> (plan, graph, traced step)``: the step planned under ``budget``
+        (inside each candidate pipeline and recomputation where asked), the same plan on every process."""
+        if self.pipeline is None and self.remat is None:
+            traced = trace()
 
+            def plan_for(budget: int):
+                plan, graph = share_plan(lambda: _plan_traced(traced, self.mesh_spec, budget, self.options, self.cache),
+                                         lambda p: bind_plan(p, traced, "the plan from process 0"))
+                return plan, graph, traced
+            return plan_for
+
+        def plan_searched(budget: int):
+            plan, (graph, traced) = share_plan(
+                lambda: _plan_search(trace, self.mesh_spec, budget, self.options, self.cache, self.pipeline,
+                                     self.remat),
+                lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
+            return plan, graph, traced
+        return plan_searched
+
+    def _fit_target(self, mesh: jax.sharding.Mesh) -> str | None:
+        """Where the compiled-budget loop compiles: ``"here"`` (this mesh's devices), a deviceless
+        target (``"gpu"``, ``"tpu"``), or ``None`` (no loop)."""
         fit = self.fit_compiled
+        if isinstance(fit, str):
+            from shardplan import targets
+            target = targets.resolve(fit, self.mesh_spec)
+            if not targets.available(target):
+                raise ShardplanError(f"fit_compiled={fit!r}: the {target.upper()} compiler is not installed; "
+                                     "pip install 'shardplan[aot]', or fit_compiled=True to compile on this mesh")
+            return "here" if target == "cpu" else target
         if fit is None:
             # By default on accelerators: fake CPU devices share the host's memory (nothing runs
             # out there), and the CPU compiler's bytes for a small or bf16 step are not a GPU's.
             fit = mesh.devices.flat[0].platform != "cpu"
-        if not fit or not runs_on(self.mesh_spec, mesh):
-            # Planned for other hardware than it is lowered on (an H100 plan on fake CPU devices):
-            # this compiler's bytes are not the target's.
-            return _Compiled(traced, *plan_for(self.budget), mesh, self.jit_kwargs)
+        # Planned for other hardware than it is lowered on (an H100 plan on fake CPU devices):
+        # this compiler's bytes are not the target's.
+        return "here" if fit and runs_on(self.mesh_spec, mesh) else None
+
+    def _planned(self, trace: Callable[[], TracedStep], mesh: jax.sharding.Mesh, args, kwargs) -> _Compiled:
+        """Plan and, where :meth:`_fit_target` says, compile at once and hold the budget on the
+        compiled program (:func:`shardplan.fit.fit_compiled`)."""
+        plan_for = self._plan_for(trace)
+
+        def made_compiled(made) -> _Compiled:
+            plan, graph, traced = made
+            # A plan with other axes (a stage axis split off) runs on the same devices laid out as its axes.
+            laid = mesh if dict(mesh.shape) == dict(zip(plan.axis_names, plan.axis_sizes)) else \
+                make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
+            return _Compiled(traced, plan, graph, laid, self.jit_kwargs)
+
+        target = self._fit_target(mesh)
+        if target is None:
+            return made_compiled(plan_for(self.budget))
 
         def compile_plan(made):
-            c = _Compiled(traced, *made, mesh, self.jit_kwargs)
-            return c, c.executable(abstract)
+            c = made_compiled(made)
+            abstract = [abstract_leaf(x) for x in c.traced.flat_args(self.call, args, kwargs)]
+            if target == "here":
+                return c, c.executable(abstract)
+            c.compiled_for[target] = _compile_for_target(c, c.plan.mesh_spec or self.mesh_spec, target, abstract,
+                                                         self.jit_kwargs)
+            return c, c.compiled_for[target][0]
 
         def say(text):
             with Status() as line:
                 line.done(text)
 
-        (plan, _), c, attempts = fit_compiled(plan_for, compile_plan, self.budget,
-                                              lambda made: made[0].cost.memory_bytes, say=say,
-                                              identity=lambda made: made[0].digest())
+        (plan, _, _), c, attempts = fit_compiled(plan_for, compile_plan, self.budget,
+                                                 lambda made: made[0].cost.memory_bytes, say=say,
+                                                 identity=lambda made: made[0].digest())
+        c.fit_attempts = attempts
         if len(attempts) > 1:
             first = attempts[0]
             c.plan = dataclasses.replace(plan, warnings=plan.warnings + (
@@ -417,18 +451,36 @@ class AutoFunction:
         from shardplan import targets
         c = self._compiled(args, kwargs)
         abstract = self._abstract(c, args, kwargs)
-        spec = self.mesh_spec if self.mesh_spec is not None else c.plan.mesh_spec
+        spec = c.plan.mesh_spec or self.mesh_spec       # the mesh it was priced on (a stage axis included)
         target = targets.resolve(target, spec) if spec is not None else "cpu"
         if target == "cpu":
             platform = c.mesh.devices.flat[0].platform
             return c.executable(abstract), c.mesh, f"XLA {platform.upper()} ({platform} devices)"
-        mesh, compiler = targets.target_mesh(spec, target)
-        other = _Compiled(c.traced, c.plan, c.graph, mesh, self.jit_kwargs)
-        with Status() as line:
-            line.say(f"compiling the planned step for {compiler}")
-            compiled = other.jitted.lower(*abstract).compile()
-            line.done(f"compiled for {compiler}")
-        return compiled, mesh, compiler
+        if target not in c.compiled_for:
+            c.compiled_for[target] = _compile_for_target(c, spec, target, abstract, self.jit_kwargs)
+        return c.compiled_for[target]
+
+    @property
+    def fit_attempts(self) -> list:
+        """The compiled-budget loop's attempts for the last traced signature
+        (:class:`shardplan.fit.Attempt`: budget planned under, predicted and compiled bytes per
+        device); empty where the step was not compiled while planned."""
+        if self._last is None:
+            raise RuntimeError("no plan yet: call the function, or .make_plan()/.lower() it, first")
+        return list(self._last.fit_attempts)
+
+
+def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: list, jit_kwargs: dict):
+    """``(compiled, jax_mesh, compiler)``: ``c``'s plan compiled by ``target``'s compiler over
+    compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.targets`); never run."""
+    from shardplan import targets
+    mesh, compiler = targets.target_mesh(spec, target)
+    other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
+    with Status() as line:
+        line.say(f"compiling the planned step for {compiler}")
+        compiled = other.jitted.lower(*abstract).compile()
+        line.done(f"compiled for {compiler}")
+    return compiled, mesh, compiler
 
 
 @overload
@@ -438,7 +490,7 @@ def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
 def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
-         fit_compiled: bool | None = None, pipeline=None, remat=None, **jit_kwargs):
+         fit_compiled: bool | str | None = None, pipeline=None, remat=None, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
@@ -446,8 +498,11 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     the default directory, a path: that one, ``False``: off). ``jit_kwargs`` are ``jax.jit``'s:
     ``static_argnums``, ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
     ``fit_compiled``: compile while planning and hold the budget on the compiled program,
-    planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); only where
-    the mesh's devices are the priced hardware. Default: on accelerators, off on CPU devices.
+    planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); ``True``:
+    on this mesh's compiler, only where the mesh's devices are the priced hardware (default: on
+    accelerators, off on CPU devices); ``"gpu"``, ``"tpu"`` or ``"auto"``: on the priced
+    hardware's real compiler with no such device present (:mod:`shardplan.targets`, ``[aot]``
+    extra); ``step.fit_attempts`` lists the compiles.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
     same devices). ``remat``: as :func:`plan`'s. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what

@@ -201,14 +201,15 @@ def _cmd_plan(args) -> int:
         else:
             pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")
 
-            def plan_for(budget):
-                return shardplan.plan(ref.train_step, state, batch, mesh=mesh, memory_budget=budget,
-                                      donate_argnums=(0,), time_limit=args.time_limit, pipeline=pipeline,
-                                      remat="auto" if args.remat == "auto" else None)
+            kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
+                          pipeline=pipeline, remat="auto" if args.remat == "auto" else None)
             if args.verify is None:
-                plan = plan_for(args.memory_budget)
+                plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
             else:
-                plan = _verified(plan_for, ref.train_step, (state, batch), mesh, args.memory_budget, target)
+                # Planned, compiled for the target and planned again while the program is over budget.
+                f = shardplan.auto(ref.train_step, mesh=mesh, fit_compiled=target, **kwargs)
+                plan = f.make_plan(state, batch)
+                _say_verified(f.fit_attempts, mesh, args.memory_budget, target)
     print(plan.explain(max_activations=args.activations))
     if args.json:
         _write_atomically(args.json, plan.to_json())     # never a half-written plan on disk
@@ -216,31 +217,16 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _verified(plan_for, step, args, mesh, memory_budget, target: str):
-    """The plan of ``plan_for(budget)`` whose program, compiled for ``target``, fits the budget
-    (:func:`shardplan.fit.fit_compiled`); each compile's bytes are reported on standard error."""
-    import shardplan
-    from shardplan.audit import compiled_memory
-    from shardplan.fit import fit_compiled
+def _say_verified(attempts, mesh, memory_budget, target: str) -> None:
     from shardplan.sizes import format_bytes
     budget = memory_budget if memory_budget is not None else mesh.device.budget_bytes
-
-    def compile_plan(plan):
-        f = shardplan.auto(step, plan=plan, donate_argnums=(0,))
-        compiled, _, compiler = f.compile_for(target, *args)
-        print(f"compiled on {compiler}: {format_bytes(compiled_memory(compiled))} per device (predicted "
-              f"{format_bytes(plan.cost.memory_bytes)}, budget {format_bytes(budget)})", file=sys.stderr, flush=True)
-        return compiler, compiled
-
-    def say(text):
-        print(text, file=sys.stderr, flush=True)
-
-    plan, compiler, attempts = fit_compiled(plan_for, compile_plan, budget, lambda p: p.cost.memory_bytes, say=say,
-                                            identity=lambda p: p.digest())
-    print(f"verified: the compiled program needs {format_bytes(attempts[-1].compiled_bytes)} per device on "
-          f"{compiler}, within the budget {format_bytes(budget)}"
+    compiler = {"gpu": "the GPU compiler (deviceless)", "tpu": "the TPU compiler (deviceless)"}.get(target, "XLA CPU")
+    for a in attempts:
+        print(f"planned under {format_bytes(a.budget_bytes)}: predicted {format_bytes(a.predicted_bytes)}, compiled "
+              f"{format_bytes(a.compiled_bytes)} per device", file=sys.stderr)
+    print(f"verified on {compiler}: the compiled program needs {format_bytes(attempts[-1].compiled_bytes)} per "
+          f"device, within the budget {format_bytes(budget)}"
           + (f" (planned again {len(attempts) - 1} time(s))" if len(attempts) > 1 else ""), file=sys.stderr)
-    return plan
 
 
 def _cmd_audit(args) -> int:
@@ -472,6 +458,11 @@ def _main(argv: list[str]) -> int:
         text = e.args[0] if isinstance(e, KeyError) and e.args else e     # a KeyError's str() is quoted
         print(f"shardplan: error: {text}", file=sys.stderr)
         return 2
+    except Exception as e:      # noqa: BLE001 - XLA refusing a program: one line, no traceback
+        if type(e).__name__ != "JaxRuntimeError":
+            raise
+        print(f"shardplan: error: the compiler refused the program: {str(e).splitlines()[0][:400]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

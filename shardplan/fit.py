@@ -10,6 +10,7 @@ The error then names the least memory any compiled plan needed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +52,9 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
 
     ``plan_for(b)`` plans under ``b`` bytes (it raises :class:`InfeasibleBudgetError` when no
     plan fits); ``compile_plan(p)`` compiles what it returned, giving ``(result, compiled)``
-    where ``compiled`` has ``memory_analysis()``; ``predicted(p)`` is the plan's predicted bytes
-    per device. Returns ``(p, result, attempts)``. ``identity(p)`` (e.g. the plan's digest) says
+    where ``compiled`` has ``memory_analysis()`` (a compiler that refuses a program over the
+    device's memory, as libtpu does, counts as over budget by the bytes it reports);
+    ``predicted(p)`` is the plan's predicted bytes per device. Returns ``(p, result, attempts)``. ``identity(p)`` (e.g. the plan's digest) says
     when a tighter budget gave a plan already compiled: it is not compiled again.
     """
     attempts: list[Attempt] = []
@@ -71,19 +73,40 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
         if key is not None and key in compiled_before:
             used = compiled_before[key]            # the same plan again: over budget, as before
         else:
-            result, compiled = compile_plan(made)
-            used = _largest_everywhere(compiled_memory(compiled))
+            try:
+                result, compiled = compile_plan(made)
+                used = compiled_memory(compiled)
+            except Exception as e:      # noqa: BLE001 - only the compiler's out-of-memory refusal is ours
+                used = compile_oom_bytes(e)
+                if used is None:
+                    raise
+                result = None           # libtpu refuses to compile a program over the chip's memory
+            used = _largest_everywhere(used)
             if key is not None:
                 compiled_before[key] = used
         attempts.append(Attempt(planned_under, predicted(made), used))
-        if used <= budget:
+        if used <= budget and result is not None:
             return made, result, attempts
-        tighter = int(planned_under * budget / used * _MARGIN)
+        # From what the plan was predicted to need (at most the budget it was planned under): a plan
+        # predicted well under its budget would otherwise come back unchanged.
+        tighter = int(min(planned_under, attempts[-1].predicted_bytes) * budget / used * _MARGIN)
         if say is not None:
             say(f"the compiled program needs {format_bytes(used)} per device, over the budget "
                 f"{format_bytes(budget)}: planning again under {format_bytes(tighter)}")
         planned_under = tighter
     raise _too_big(budget, attempts, f"{tries} plans compiled, none fits")
+
+
+_OOM = re.compile(r"Ran out of memory in memory space \w+\. Used ([0-9.]+)([KMGT]?)")
+
+
+def compile_oom_bytes(error: BaseException) -> float | None:
+    """The bytes per device a compiler that refused the program as too big reported using
+    (XLA TPU: "Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm"), else ``None``."""
+    found = _OOM.search(str(error))
+    if found is None:
+        return None
+    return float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")
 
 
 def _too_big(budget: int, attempts: list[Attempt], why: str) -> InfeasibleBudgetError:

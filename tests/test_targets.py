@@ -106,8 +106,22 @@ def test_plan_verify_holds_the_budget_on_the_gpu_compiler(tmp_path):
            "--time-limit", "2", "--verify", "gpu"]
     run = subprocess.run(cmd + ["--memory-budget", "64MiB"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "compiled on XLA GPU (deviceless" in run.stderr and "verified: the compiled program needs" in run.stderr
-    needed = shardplan.parse_bytes(run.stderr.split("verified: the compiled program needs ")[1].split(" per")[0])
+    assert "verified on the GPU compiler (deviceless): the compiled program needs" in run.stderr
+    needed = shardplan.parse_bytes(run.stderr.split("the compiled program needs ")[1].split(" per")[0])
     assert needed <= shardplan.parse_bytes("64MiB")
     bad = subprocess.run(cmd + ["--memory-budget", "1KiB"], capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode != 0 and "no plan fits" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@needs_gpu
+def test_fit_compiled_on_the_gpu_target_from_python():
+    """``fit_compiled="gpu"``: the decorator's compiled-budget loop on the deviceless GPU compiler
+    (the plan laid over fake CPU devices to run, held to the H100's program); ``compile_for``
+    then reuses that compile."""
+    f, state, batch = _step(fit_compiled="gpu", memory_budget="64MiB")
+    (attempt, *_) = f.fit_attempts
+    assert f.fit_attempts[-1].compiled_bytes <= shardplan.parse_bytes("64MiB")
+    assert attempt.predicted_bytes == pytest.approx(f.fit_attempts[0].predicted_bytes)
+    compiled, _, compiler = f.compile_for("gpu", state, batch)
+    assert compiler.startswith("XLA GPU (deviceless") and compiled is f._last.compiled_for["gpu"][0]
+    assert compiled_memory(compiled) == f.fit_attempts[-1].compiled_bytes
