@@ -43,7 +43,9 @@ import shardplan  # noqa: E402
 from shardplan.benchmarks.baselines import BASELINES, activation_rules, hand_plan  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
+from shardplan import targets  # noqa: E402
 from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
+from shardplan.fit import compile_oom_bytes  # noqa: E402
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
 from shardplan.hlo import collectives, dot_flops, hbm_bytes  # noqa: E402
 from shardplan.planner import PlannerOptions, plan_jaxpr  # noqa: E402
@@ -82,7 +84,8 @@ def _cells() -> list[Cell]:
         for axes in single:
             for budget in ("hbm", "tight"):
                 out.append(Cell(model, batch, "h100-8", axes, budget))
-        out.append(Cell(model, batch, "h100-8x8", (("data", 8), ("model", 8))))
+        # At least one sequence per device, so that data parallelism and FSDP can run.
+        out.append(Cell(model, max(batch, 64), "h100-8x8", (("data", 8), ("model", 8))))
     # Keeping every activation, gpt2-small under the tight budget and the models below fit no plan
     # (Llama-3 8B at seq 8192 needs about 486 GiB per device): the cells without recomputation
     # show the planner saying so; with each layer recomputed in the backward pass
@@ -94,15 +97,18 @@ def _cells() -> list[Cell]:
         out.append(Cell("llama3-8b", 8, "h100-8", (("data", 2), ("model", 4)), remat=remat))
     out.append(Cell("llama3-8b", 64, "h100-8x8", (("data", 8), ("model", 8)), remat="full"))
     out.append(Cell("gpt3-1.3b", 16, "h100-8", (("data", 2), ("model", 4)), "infeasible"))
+    out.append(Cell("llama3-8b", 16, "h200-8", (("data", 2), ("model", 4)), remat="full"))
     out.append(Cell("gpt3-1.3b", 256, "tpu-v5e-256", (("data", 16), ("model", 16)), remat="full"))
-    out.append(Cell("gpt3-175b", 256, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
-    out.append(Cell("llama3-70b", 128, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
+    # Global batches of one sequence per device: what a user of these clusters runs at the least.
+    out.append(Cell("gpt3-175b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
+    out.append(Cell("llama3-70b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
+    out.append(Cell("gpt3-175b", 1024, "tpu-v5p-2x512", (("replica", 2), ("data", 64), ("model", 8)), remat="full"))
     return out
 
 
 CELLS = _cells()
 QUICK = ("gpt-tiny/cpu-8(2,4)/hbm", "gpt-tiny/cpu-8(8,1)/hbm", "gpt2-small/h100-8(2,4)/hbm")
-NOT_RUNNABLE = {"megatron-3d": "needs pipeline parallelism, which shardplan does not have yet"}
+NOT_RUNNABLE = {"megatron-3d": "the Megatron 3D hand plan (TP in a node, PP across nodes, DP outside) is not built yet"}
 
 
 @dataclasses.dataclass
@@ -120,6 +126,7 @@ class Row:
     solve_s: float = float("nan")
     cpu_step_ms: float = float("nan")     # measured on 8 fake CPU devices (tiny cells)
     budget_gib: float = float("nan")      # the cell's memory budget per device
+    compiler: str = ""                    # which compiler compiled the cell's plans
 
     @property
     def comm_ms(self) -> float:
@@ -160,7 +167,9 @@ def _measure_cpu(fn, state, batch, steps: int = 3) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list[Row]:
+def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target: str = "cpu") -> list[Row]:
+    """The cell's rows, every plan compiled by ``target``'s compiler (:mod:`shardplan.targets`:
+    ``"auto"``, the preset's own GPU or TPU compiler where installed, with no device present)."""
     if cell.devices > len(jax.devices()):
         return [Row(cell.id, "all", f"n/a: needs {cell.devices} devices, jax.devices() has {len(jax.devices())}")]
     axes = dict(cell.axes)
@@ -168,7 +177,12 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(cell.batch, abstract=True)
     mesh_spec = shardplan.load_mesh(cell.preset, axes=axes)
-    jax_mesh = mesh_spec.to_jax_mesh()
+    target = targets.resolve(target, mesh_spec)
+    compiler = "XLA CPU (fake devices)"
+    if target == "cpu":
+        jax_mesh = mesh_spec.to_jax_mesh()
+    else:
+        jax_mesh, compiler = targets.target_mesh(mesh_spec, target)    # compile only, never run
     traced = trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,)))
     closed, names, arg_of, donated = traced.closed, traced.names, traced.arg_of, traced.donated
     pairs = traced.state_pairs    # state leaves leave as they came: the plan a user's loop runs
@@ -201,7 +215,10 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
                     figures = price_compiled(lowered.compile(), mesh_spec, jax_mesh)
                     compiled_baselines[kind] = (figures, (jitted, sh, rules), flat)
                 except Exception as e:       # a baseline XLA cannot compile: say so, keep going
-                    compiled_baselines[kind] = (f"n/a: compile failed: {str(e).splitlines()[0][:120]}", None, None)
+                    used = compile_oom_bytes(e)
+                    why = f"over budget: the compiler refused it, {used / 2**30:.2f} GiB per device" if used else \
+                        f"n/a: compile failed: {str(e).splitlines()[0][:120]}"
+                    compiled_baselines[kind] = (why, None, None)
         return compiled_baselines[kind]
 
     budget = hbm
@@ -226,13 +243,17 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
         return ref.init(jax.random.key(0)), ref.batch(cell.batch)
     rows = []
 
+    # On a GPU or TPU target the budget is held on that compiler's program (planned again while over).
     f = shardplan.auto(ref.train_step, mesh=mesh_spec, memory_budget=budget, donate_argnums=(0,),
-                       time_limit=time_limit, cache=False)
+                       time_limit=time_limit, cache=False, fit_compiled=None if target == "cpu" else target)
     try:
         start = time.perf_counter()
-        f.trace(state, batch)                      # trace, build the graph, solve: the planner's time
+        f.make_plan(state, batch)     # trace, build the graph, solve (and on a target, the compiled-budget loop)
         solve_s = time.perf_counter() - start
-        compiled = f.lower(state, batch).compile()
+        if target == "cpu":
+            compiled = f.lower(state, batch).compile()
+        else:
+            compiled, _, _ = f.compile_for(target, state, batch)       # the loop's last compile
         row = Row(cell.id, "shardplan", predicted_ms=f.plan.cost.step_s * 1e3,
                   solve_s=solve_s, **price_compiled(compiled, mesh_spec, jax_mesh))
         if row.memory_gib * 2**30 > budget:
@@ -275,6 +296,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None) -> list
         rows.append(Row(cell.id, kind, f"n/a: {why}"))
     for r in rows:
         r.budget_gib = budget / 2**30
+        r.compiler = compiler
     return rows
 
 
@@ -316,12 +338,12 @@ def markdown(all_rows: list[Row]) -> str:
         lines.append(f"| {r.cell} | {r.plan} | {r.status} | {_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
                      f"{_fmt(r.comm_ms) if r.comm_ms_by_kind else ''} | {_fmt(r.memory_gib)} | {coll} | "
                      f"{_fmt(r.solve_s, 1)} | {_fmt(r.cpu_step_ms, 1)} |")
-    lines += ["", "| cell | budget GiB/dev | planner / best baseline (compiled) | best baseline |",
-              "|---|---|---|---|"]
+    lines += ["", "| cell | budget GiB/dev | planner / best baseline (compiled) | best baseline | compiled by |",
+              "|---|---|---|---|---|"]
     for cell in dict.fromkeys(r.cell for r in all_rows):
         rows = [r for r in all_rows if r.cell == cell]
         q, best = ratio(rows)
-        lines.append(f"| {cell} | {_fmt(rows[0].budget_gib)} | {_fmt(q, 3) or 'n/a'} | {best} |")
+        lines.append(f"| {cell} | {_fmt(rows[0].budget_gib)} | {_fmt(q, 3) or 'n/a'} | {best} | {rows[0].compiler} |")
     return "\n".join(lines)
 
 
@@ -383,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the tables and figures (default: benchmarks/results under the current directory)")
     ap.add_argument("--plots", action="store_true", help="also draw PNG plots (needs matplotlib)")
     ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--target", default="auto", choices=("auto", "cpu"),
+                    help="the compiler of every plan: auto (default), each cell's GPU or TPU compiler with no device "
+                         "present where installed (pip install 'shardplan[aot]'), else the CPU's; cpu: XLA CPU on "
+                         "fake devices (bf16 computed in f32: about twice a GPU's memory)")
     args = ap.parse_args(argv)
     cells = [c for c in CELLS if c.id in QUICK] if args.quick else CELLS
     if args.cells:
@@ -398,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Command: `python -m shardplan.benchmarks.bench {' '.join(argv if argv is not None else sys.argv[1:])}`; "
               f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices.\n\n")
     for cell in cells:
-        all_rows += run_cell(cell, args.time_limit, bar)
+        all_rows += run_cell(cell, args.time_limit, bar, args.target)
         write_outputs(all_rows, args.out, header)      # after every cell: a cut-short run keeps its rows
     table = markdown(all_rows)
     print(header + table)

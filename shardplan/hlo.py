@@ -190,6 +190,31 @@ def _sliced_read(fused: list[str], index: int, full: float) -> float:
     return min(full, kept) if users else full
 
 
+def _in_place(fused: list[str]) -> tuple[set[int], float] | None:
+    """``(parameters written in place, bytes written)`` of a fusion whose root (or each element
+    of a root tuple) is a dynamic-update-slice of one of its parameters: XLA updates that buffer
+    in place, so it is neither read whole nor written whole, only the update is. ``None`` otherwise."""
+    shapes = _shapes(fused)
+    defs = {d.group(1): ln for ln in fused[1:] for d in [_DEF.match(ln)] if d}
+    root = next((ln for ln in fused[1:] if ln.lstrip().startswith("ROOT")), None)
+    if root is None:
+        return None
+    m = _OP.match(root)
+    names = re.findall(r"%([\w.\-]+)", m.group(4)) if m and m.group(3) == "tuple" else [m.group(1)] if m else []
+    buffers, written = set(), 0.0
+    for name in names:
+        op = _OP.match(defs.get(name, ""))
+        if not op or op.group(3) != "dynamic-update-slice":
+            return None
+        buffer, update = (re.findall(r"%([\w.\-]+)", op.group(4)) + ["", ""])[:2]
+        param = re.search(r"parameter\((\d+)\)", defs.get(buffer, ""))
+        if param is None:
+            return None
+        buffers.add(int(param.group(1)))
+        written += _shape_bytes(shapes.get(update, ""))
+    return (buffers, written) if buffers else None
+
+
 def _shapes(lines: list[str]) -> dict[str, str]:
     """Name -> shape text of a computation's parameters and instructions."""
     shapes = dict(_PARAM.findall(lines[0].split("->")[0]))
@@ -216,14 +241,21 @@ def hbm_bytes(hlo_text: str) -> float:
                 continue
             operands = [_shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", m.group(4))]
             callee = re.search(r"calls=%?([\w.\-]+)", line)
-            if m.group(3) == "fusion" and callee and callee.group(1) in bodies:
-                operands = [_sliced_read(bodies[callee.group(1)], i, b) for i, b in enumerate(operands)]
+            fused = bodies[callee.group(1)] if m.group(3) == "fusion" and callee and callee.group(1) in bodies \
+                else None
+            if fused is not None:
+                operands = [_sliced_read(fused, i, b) for i, b in enumerate(operands)]
             result = _shape_bytes(m.group(2))
-            if "slice" in m.group(1) or "slice" in m.group(3) or m.group(3) == "gather":
-                operands = [min(b, result) for b in operands]     # a slice reads only what it keeps
-            if "update-slice" in m.group(1) or m.group(3) == "dynamic-update-slice":
+            in_place = _in_place(fused) if fused is not None else None
+            if in_place is not None:
+                # Writes into one of its operands' buffer: the update only (GPU and TPU fusions).
+                result = in_place[1]
+                operands = [b for i, b in enumerate(operands) if i not in in_place[0]]
+            elif m.group(3) == "dynamic-update-slice" or "update-slice" in m.group(1):
                 result = sum(operands[1:2])                       # writes in place: the update only
                 operands = operands[1:]
+            elif "slice" in m.group(1) or "slice" in m.group(3) or m.group(3) == "gather":
+                operands = [min(b, result) for b in operands]     # a slice reads only what it keeps
             total += mult.get(comp, 0.0) * (result + sum(operands))
     return total
 

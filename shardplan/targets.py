@@ -107,14 +107,16 @@ def resolve(target: str, spec: MeshSpec) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _topology(platform: str, config: str, name: str):
+def _topology(platform: str, config: str, name: str, slices: int = 1):
     from jax.experimental import topologies
     if platform == "cuda":
         return topologies.get_topology_desc(platform="cuda", target_config=config, topology=name)
     # libtpu looks for the TPU VM it runs on: say it is a lone host (its warnings otherwise).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+    # Several slices joined by the data-center network (multislice): devices slice-major.
+    extra = {"num_slices": slices} if slices > 1 else {}
+    return topologies.get_topology_desc(topology_name=name, platform="tpu", **extra)
 
 
 def target_mesh(spec: MeshSpec, target: str):
@@ -134,8 +136,9 @@ def target_mesh(spec: MeshSpec, target: str):
         if name is None:
             raise ShardplanError(f"no TPU topology for device {spec.device.name!r}: the TPU targets are "
                                  f"{', '.join(_TPU_TOPOLOGIES)}")
-        topo = _topology("tpu", "", name)
-        compiler = f"XLA TPU (deviceless, libtpu, {name})"
+        # A TPU preset's node is a slice (meshes/README.md).
+        topo = _topology("tpu", "", name, spec.nodes)
+        compiler = f"XLA TPU (deviceless, libtpu, {name}" + (f" x {spec.nodes} slices)" if spec.nodes > 1 else ")")
     else:
         raise ShardplanError(f"target_mesh is for gpu and tpu targets, not {target!r}")
     devices = list(topo.devices)

@@ -64,6 +64,33 @@ def test_hbm_bytes_counts_fused_reads_and_writes_and_slices_only_what_they_keep(
     assert 7 * per_step <= hbm_bytes(text) <= 7 * per_step + 2 * 4096 + 512   # + the copy of x in
 
 
+def test_hbm_bytes_of_a_fusion_that_updates_a_buffer_in_place_is_the_update():
+    """A scan's stacked output written one layer a trip: the GPU fuses the layer's work into a
+    fusion rooted at a dynamic-update-slice of the stacked buffer (named by what it fuses, not
+    "update-slice"); XLA writes it in place, so each trip moves the layer's bytes, not the stack's."""
+    from shardplan.hlo import hbm_bytes
+    text = """HloModule m
+
+%fused_dus (param_0: f32[12,1024], param_1: s32[], param_2: f32[1024]) -> f32[12,1024] {
+  %param_0 = f32[12,1024]{1,0} parameter(0)
+  %param_2 = f32[1024]{0} parameter(2)
+  %tanh.1 = f32[1024]{0} tanh(%param_2)
+  %bitcast.1 = f32[1,1024]{1,0} bitcast(%tanh.1)
+  %param_1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[12,1024]{1,0} dynamic-update-slice(%param_0, %bitcast.1, %param_1, %c0)
+}
+
+ENTRY %main (p0: f32[12,1024], p1: s32[], p2: f32[1024]) -> f32[12,1024] {
+  %p0 = f32[12,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[1024]{0} parameter(2)
+  ROOT %loop_select_fusion.3 = f32[12,1024]{1,0} fusion(%p0, %p1, %p2), kind=kLoop, calls=%fused_dus
+}
+"""
+    assert hbm_bytes(text) == 4 + 4096 + 4096       # reads the index and the row, writes the row
+
+
 def test_cpu_all_reduce_stored_as_a_slice_in_a_scan_reads_as_reduce_scatter():
     """A sharded stacked gradient: on CPU each trip all-reduces the layer's gradient and a fusion
     stores only this device's slice of it; a GPU compile emits a reduce-scatter there."""
