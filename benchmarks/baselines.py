@@ -19,8 +19,13 @@ batch, on a mesh with axes ``data`` and ``model``:
   ``model`` as its ``tensor`` axis: weights' ``embed`` dimension over ``data`` (FSDP),
   ``mlp``/``heads``/``vocab`` dimensions over ``model`` (tensor parallel), the batch over
   ``data``; norms replicated.
-- Megatron 3D (tensor x pipeline x data) needs pipeline parallelism, which shardplan does not
-  have yet: the harness reports it as not runnable.
+- ``megatron-3d`` (:func:`megatron_3d`): Megatron-LM's 3D parallelism: tensor parallel over
+  ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
+  (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
+  parallel over the rest, run as shardplan's SPMD pipeline (:mod:`shardplan.pipeline`) with
+  microbatches of one sequence per data-parallel rank as in the Megatron paper. Its interleaved
+  schedule is the circular one with 2 rounds where the layers split that way. The harness
+  tries each stage count that divides the nodes and the layers and keeps the fastest that fits.
 """
 
 from __future__ import annotations
@@ -121,3 +126,18 @@ def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: b
     batch_axes = tuple(a for a in batch_axes if axes.get(a, 1) > 1)
     spec = P(batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None))
     return state_specs, jax.tree.map(lambda _: spec, batch)
+
+
+def megatron_3d(abstract_state, batch, axes: dict[str, int], stages: int):
+    """(state specs, batch specs) for Megatron 3D on ``{"stage": stages, **axes}`` (``axes``:
+    ``data`` already divided by ``stages``): the ``megatron-tp`` weights with each stacked
+    layer parameter's layer dimension over ``stage``."""
+    state_specs, batch_specs = hand_plan("megatron-tp", abstract_state, batch, axes, stacked=True)
+
+    def staged(path, spec, x):
+        if "layers" in _keys(path) and len(x.shape) >= 1 and x.shape[0] % stages == 0:
+            return P("stage", *tuple(spec)[1:]) if len(spec) else P("stage")
+        return spec
+    state_specs = jax.tree_util.tree_map_with_path(staged, state_specs, abstract_state,
+                                                   is_leaf=lambda v: isinstance(v, P))
+    return state_specs, batch_specs

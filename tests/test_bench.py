@@ -19,3 +19,25 @@ def test_ratio_uses_the_best_baseline_that_fits():
             Row("c", "fsdp", "over budget", compiled_ms=5.0), Row("c", "megatron", "n/a: x")]
     assert ratio(rows) == (0.9, "dp")
     assert ratio([Row("c", "shardplan", "infeasible: needs 1 GiB"), Row("c", "dp", compiled_ms=1.0)])[1] == ""
+
+
+def test_megatron_3d_runs_a_pipeline_across_nodes_and_is_not_offered_on_one(tmp_path):
+    """The Megatron 3D hand plan: stages split off the data axis across the two nodes, TP inside,
+    compiled (on the cpu target here) with the pipeline's stage-to-stage permutes; one node: n/a."""
+    import jax
+
+    import shardplan
+    from shardplan.benchmarks.bench import Cell, _megatron_3d
+    from shardplan.models.train import reference
+    from test_pipeline_search import TWO_NODES
+    path = tmp_path / "two_nodes.toml"
+    path.write_text(TWO_NODES)
+    ref = reference("gpt-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(16, abstract=True)
+    cell = Cell("gpt-tiny", 16, str(path), (("data", 2), ("model", 4)))
+    row = _megatron_3d(cell, ref, state, batch, shardplan.load_mesh(path), "cpu", 2**32)
+    assert row.plan == "megatron-3d (PP 2, 16 microbatches, gpipe)" and row.status == "ok", row
+    assert row.compiled_ms > 0 and row.collectives > 0
+    one = _megatron_3d(Cell("gpt-tiny", 16, "cpu-8", (("data", 2), ("model", 4))), ref, state, batch,
+                       shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}), "cpu", 2**32)
+    assert one.status.startswith("n/a: one node")
