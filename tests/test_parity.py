@@ -22,11 +22,22 @@ def _run(step, state, batch, n=3):
     return state, np.array(losses)
 
 
+# XLA's SPMD partitioner warns "Involuntary full rematerialization" where it can only reshard by
+# replicating first. No plan of the planner should make it. These two still do (issue 12, open):
+# llama-tiny unrolled on (2,2,2), and on (4,2) a constraint from the batch split over all eight
+# devices to f32[1,32,64] split over the last two dimensions, which the emitter asks for without
+# knowing the source spec, so it is not split into steps XLA does directly. Listed so a fix shows.
+KNOWN_FALLBACKS = {("llama-tiny", False, "2x2x2"), ("llama-tiny", False, "4x2")}
+FALLBACK = "Involuntary full rematerialization"
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("model", MODELS)
-def test_adamw_losses_match(model, scan, mesh):
+def test_adamw_losses_match(model, scan, mesh, capfd):
     _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan), mesh)
+    said = capfd.readouterr().err
+    assert (FALLBACK in said) == ((model, scan, mesh) in KNOWN_FALLBACKS), said[-2000:]
 
 
 def _assert_planned_losses_match(plain, planned_ref, mesh):
@@ -43,9 +54,10 @@ def _assert_planned_losses_match(plain, planned_ref, mesh):
 @pytest.mark.parametrize("mesh", ["8", "2x4"])
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("model", ["resnet-tiny", "vit-tiny"])
-def test_image_model_losses_match(model, scan, mesh):
+def test_image_model_losses_match(model, scan, mesh, capfd):
     """The NNX ResNet (convolutions, pooling) and the Linen ViT (dot_product_attention)."""
     _assert_planned_losses_match(reference(model, scan=scan), reference(model, scan=scan), mesh)
+    assert FALLBACK not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("model, mesh", [(m, mesh) for m in MODELS for mesh in ("2x4", "2x2x2")]
