@@ -97,12 +97,14 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
     raise _too_big(budget, attempts, f"{tries} plans compiled, none fits")
 
 
-_OOM = re.compile(r"Ran out of memory in memory space \w+\. Used ([0-9.]+)([KMGT]?)")
+_OOM = re.compile(r"Ran out of memory (?:in memory space \w+\. Used |on HBM, the total memory required for HLO "
+                  r"temporaries \()([0-9.]+)([KMGT]?)")
 
 
 def compile_oom_bytes(error: BaseException) -> float | None:
     """The bytes per device a compiler that refused the program as too big reported using
-    (XLA TPU: "Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm"), else ``None``."""
+    (XLA TPU: "Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm", or "... on HBM,
+    the total memory required for HLO temporaries (22.91G) exceeds ...": at least that), else ``None``."""
     found = _OOM.search(str(error))
     if found is None:
         return None

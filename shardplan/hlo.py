@@ -117,6 +117,10 @@ def replica_groups(text: str, num_devices: int) -> list[list[int]]:
 def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
     """Mesh axes along which the devices of one group differ."""
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    if not set(group) <= set(ids.flat):
+        # Groups name logical devices, positions in the program's device assignment (the mesh's
+        # devices in order), where device ids are not 0..n-1 (TPU multislice: 100000 + ...).
+        ids = np.arange(ids.size).reshape(ids.shape)
     coords = [np.argwhere(ids == d)[0] for d in group]
     return tuple(name for k, name in enumerate(mesh.axis_names) if len({int(c[k]) for c in coords}) > 1)
 

@@ -65,6 +65,9 @@ def test_the_loop_plans_again_under_a_tighter_budget_until_the_program_fits():
     assert compile_oom_bytes(ValueError("Used 15.89G of 15.75G")) is None
     assert compile_oom_bytes(RuntimeError("Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm")) == \
         pytest.approx(15.89 * 2**30)
+    assert compile_oom_bytes(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                          "for HLO temporaries (22.91G) exceeds available HBM")) == \
+        pytest.approx(22.91 * 2**30)
 
 
 def test_no_plan_that_compiles_under_the_budget_is_an_error_naming_the_least_that_compiled():
