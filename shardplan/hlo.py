@@ -264,8 +264,28 @@ def hbm_bytes(hlo_text: str) -> float:
     return total
 
 
+_CONV = re.compile(r"=\s*(\S+) convolution\((?:\S+ )?%?([\w.\-]+), (?:\S+ )?%?([\w.\-]+)\).*?"
+                   r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
+
+
+def _conv_flops(m, shapes: dict[str, str]) -> tuple[str, float]:
+    """(lhs dtype, FLOPs) of a convolution: 2 x output elements x (input features per group x
+    window), read from the kernel's shape and its dim_labels (``i`` in-features, digits the
+    window). The TPU compiler emits every matmul this way (``bf_io->bf``)."""
+    (_, rdims), = _SHAPE.findall(m.group(1))[:1] or [("f32", "")]
+    (ldtype, _), = _SHAPE.findall(shapes.get(m.group(2), ""))[:1] or [("f32", "")]
+    (_, kdims), = _SHAPE.findall(shapes.get(m.group(3), ""))[:1] or [("f32", "")]
+    ksizes = [int(d) for d in kdims.split(",") if d]
+    labels = m.group(5)
+    if len(labels) != len(ksizes):
+        return ldtype, 0.0
+    k = math.prod(n for n, c in zip(ksizes, labels) if c == "i" or c.isdigit())
+    return ldtype, 2.0 * math.prod(int(d) for d in rdims.split(",") if d) * k
+
+
 def dot_flops(hlo_text: str) -> dict[str, float]:
-    """FLOPs of every dot per device per step, by the dtype of its lhs, trip counts included."""
+    """FLOPs of every dot (and convolution: the TPU's matmuls, and convolutional layers) per device
+    per step, by the dtype of its lhs, trip counts included."""
     bodies, mult = _computations(hlo_text)
     out: dict[str, float] = {}
     for comp, lines in _real(bodies):
@@ -273,6 +293,10 @@ def dot_flops(hlo_text: str) -> dict[str, float]:
         for line in lines[1:]:
             m = _DOT.search(line)
             if not m:
+                c = _CONV.search(line)
+                if c:
+                    dtype, flops = _conv_flops(c, shapes)
+                    out[dtype] = out.get(dtype, 0.0) + flops * mult.get(comp, 0.0)
                 continue
             result, lhs, contracting = m.group(1), shapes.get(m.group(2), ""), m.group(4)
             (rdtype, rdims), = _SHAPE.findall(result)[:1] or [("f32", "")]

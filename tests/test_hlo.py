@@ -64,6 +64,24 @@ def test_hbm_bytes_counts_fused_reads_and_writes_and_slices_only_what_they_keep(
     assert 7 * per_step <= hbm_bytes(text) <= 7 * per_step + 2 * 4096 + 512   # + the copy of x in
 
 
+def test_convolutions_count_their_flops_as_the_tpu_emits_matmuls_and_as_conv_layers():
+    """The TPU compiler emits a matmul as a convolution (``dim_labels=bf_io->bf``); a conv layer is
+    one with a window: 2 x output elements x input features x window."""
+    text = """HloModule m
+
+ENTRY %main (p0: bf16[1024,4096], p1: bf16[4096,256]) -> bf16[1024,256] {
+  %p0 = bf16[1024,4096]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[4096,256]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.2 = bf16[1024,256]{1,0:T(8,128)(2,1)} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+"""
+    assert dot_flops(text) == {"bf16": 2.0 * 1024 * 256 * 4096}
+    x, w = jax.ShapeDtypeStruct((2, 8, 8, 3), jnp.float32), jax.ShapeDtypeStruct((3, 3, 3, 16), jnp.float32)
+    conv = jax.jit(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                             dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    assert dot_flops(conv.lower(x, w).compile().as_text()) == {"f32": 2.0 * (2 * 8 * 8 * 16) * (3 * 3 * 3)}
+
+
 def test_hbm_bytes_of_a_fusion_that_updates_a_buffer_in_place_is_the_update():
     """A scan's stacked output written one layer a trip: the GPU fuses the layer's work into a
     fusion rooted at a dynamic-update-slice of the stacked buffer (named by what it fuses, not
