@@ -63,6 +63,10 @@ def _plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: 
     return p, graph
 
 
+class _NoLayerScan(PipelineError):
+    """The step has no layer_scan: no candidate pipeline applies."""
+
+
 def _remat_setting(remat):
     """``remat=`` checked: ``None``, ``"auto"``, a policy name or ``{class key: policy}``."""
     if remat is None or remat == "auto":
@@ -112,7 +116,7 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
         met.clear()
         met.update(sites)
         if traced is None:
-            raise PipelineError("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
+            raise _NoLayerScan("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
                                 "layer_scan where the model scans its layers, or plan with pipeline='off')")
         budget = _budget(memory_budget, cand.mesh)
         p = None
@@ -160,7 +164,7 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                 found = [] if first is None else [made[id(first)]]
         except (PipelineError, InfeasibleBudgetError) as e:
             failures.append(e)
-            if isinstance(e, PipelineError) and "no shardplan.pipeline.layer_scan" in str(e):
+            if isinstance(e, _NoLayerScan):
                 break              # no other pipeline applies either
             continue
         for p, rest in found:

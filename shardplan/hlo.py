@@ -12,6 +12,7 @@ groups come in several notations: ``{{0,1},{2,3}}``, ``[2,4]<=[8]``, ``[4,2]<=[2
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -234,6 +235,7 @@ def hbm_bytes(hlo_text: str) -> float:
     included): each fusion or op reads its operands and writes its result once; what happens
     inside a fusion stays on chip. Collectives are left to :func:`collectives`."""
     bodies, mult = _computations(hlo_text)
+    in_place = functools.cache(lambda callee: _in_place(bodies[callee]))     # one read per fused body
     total = 0.0
     for comp in bodies["__top__"]:
         lines = bodies[comp]
@@ -245,16 +247,15 @@ def hbm_bytes(hlo_text: str) -> float:
                 continue
             operands = [_shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", m.group(4))]
             callee = re.search(r"calls=%?([\w.\-]+)", line)
-            fused = bodies[callee.group(1)] if m.group(3) == "fusion" and callee and callee.group(1) in bodies \
-                else None
+            fused = callee.group(1) if m.group(3) == "fusion" and callee and callee.group(1) in bodies else None
             if fused is not None:
-                operands = [_sliced_read(fused, i, b) for i, b in enumerate(operands)]
+                operands = [_sliced_read(bodies[fused], i, b) for i, b in enumerate(operands)]
             result = _shape_bytes(m.group(2))
-            in_place = _in_place(fused) if fused is not None else None
-            if in_place is not None:
+            updated = in_place(fused) if fused is not None else None
+            if updated is not None:
                 # Writes into one of its operands' buffer: the update only (GPU and TPU fusions).
-                result = in_place[1]
-                operands = [b for i, b in enumerate(operands) if i not in in_place[0]]
+                result = updated[1]
+                operands = [b for i, b in enumerate(operands) if i not in updated[0]]
             elif m.group(3) == "dynamic-update-slice" or "update-slice" in m.group(1):
                 result = sum(operands[1:2])                       # writes in place: the update only
                 operands = operands[1:]
