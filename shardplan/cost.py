@@ -31,6 +31,14 @@ ALL_TO_ALL = "all-to-all"
 COLLECTIVE_PERMUTE = "collective-permute"
 COLLECTIVE_KINDS = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
 
+# ``groups`` of a partial sum made by a reduce op (reduce_sum, ...), not a dot: XLA's partitioner
+# all-reduces it over every partial axis at its full size, then slices (see ``_reduce_partial``).
+REDUCE_OP = "reduce"
+
+
+def _groups_key(groups):
+    return None if groups is None else groups if isinstance(groups, str) else tuple(map(tuple, groups))
+
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
@@ -300,7 +308,7 @@ class CostModel:
                        partial: Sequence[str], dst: Spec,
                        groups: Sequence[Sequence[str]] | None = None) -> list[Comm]:
         key = ("reduce", tuple(shape), itemsize, produced, tuple(partial), dst,
-               None if groups is None else tuple(map(tuple, groups)))
+               _groups_key(groups))
         return list(self._cached(key, lambda: tuple(self._reduce_partial(shape, itemsize, produced, partial, dst,
                                                                            groups))))
 
@@ -315,10 +323,24 @@ class CostModel:
         ``groups`` says which partial axes come from which contracting dimension of a dot: with
         nothing to scatter, XLA all-reduces each dimension's axes on their own, at full size,
         instead of once over all of them.
+
+        ``groups == REDUCE_OP``: the partial sum of a reduce op (``reduce_sum`` over a sharded
+        dimension). XLA's reduce handler all-reduces it over every partial axis at the size it is
+        made, and the reshard to ``dst`` slices it locally; only where ``dst`` shards every partial
+        axis on one dimension does the all-reduce + slice become a reduce-scatter (XLA's
+        ReduceScatterCreator), as the rule above gives. (Checked on GPT-2's position-embedding
+        gradient on h100-8: partial over (data, model), sharded over data: one all-reduce over
+        all 8 devices of the whole (1024, 768) gradient, no reduce-scatter.)
         """
         if not partial:
             return self.reshard(shape, itemsize, produced, dst)
         dim_of, scatter, reduce, current_spec = self._reduction(produced, partial, dst)
+        if groups == REDUCE_OP:
+            if scatter and (reduce or len({dim_of[a] for a in scatter}) > 1):
+                axes = tuple(a for a in self.mesh.axis_names if a in partial)
+                return [Comm(ALL_REDUCE, axes, self.per_device_bytes(shape, itemsize, produced))] + \
+                    self.reshard(shape, itemsize, produced, dst)
+            groups = None
         comms = []
         if scatter:
             full = self.per_device_bytes(shape, itemsize, produced)
@@ -389,7 +411,7 @@ class CostModel:
         ``share - 1`` others into one collective (see :mod:`shardplan.combine`)."""
         # Specs are numbered once per table side, so a cell costs a lookup of two small ints.
         ids = self._ids
-        rows = [(p, tuple(part), None if grp is None else tuple(map(tuple, grp))) for p, part, grp in rows]
+        rows = [(p, tuple(part), _groups_key(grp)) for p, part, grp in rows]
         row_ids = tuple(ids.setdefault(("row",) + r, len(ids)) for r in rows)
         col_ids = tuple(ids.setdefault(("col", c), len(ids)) for c in cols)
         dims = np.asarray(shape, dtype=np.int64)
@@ -441,7 +463,7 @@ class CostModel:
         if itemsize * math.prod(shape) <= 0:
             return []
         partial = tuple(partial)
-        groups = None if groups is None else tuple(map(tuple, groups))
+        groups = _groups_key(groups)
         divs = self._unit(produced, partial, dst, groups, None)[0]
         even = [n % d == 0 for n, d in zip(shape, divs)]
         odd = None if all(even) else tuple(0 if e else int(n) for n, e in zip(shape, even))

@@ -64,6 +64,8 @@ class PairEdge:
     produced: Callable[[Spec], tuple[Spec, tuple[str, ...]]] | None = None
     # With ``required``: the spec of ``dst`` the op makes when ``src`` stays as it is (``None``
     # where it cannot); XLA then reshards the result instead of the operand when that is cheaper.
+    # With ``produced`` (a scatter-add): the spec ``src`` (the updates) is resharded to for a
+    # ``dst`` spec under XLA's operand-passthrough scatter (``None`` where it does not apply).
     passthrough: Callable[[Spec, Spec], Spec | None] | None = None
     # With ``required``: another computation of the op (a :mod:`shardplan.rewrites` strategy)
     # that runs on ``src`` as it is: ``(kind, spec of dst it makes, mesh axes it is partial

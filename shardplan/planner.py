@@ -274,7 +274,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     by_axis = dict.fromkeys(mesh.axis_names, 0.0)
     bytes_by_axis = dict.fromkeys(mesh.axis_names, 0.0)
 
-    def account(priced, mult, tid):
+    def account(priced, mult, tid, repeated=()):
         for c, s in priced:
             by_kind[c.kind] += s
             bytes_by_kind[c.kind] += c.nbytes * mult
@@ -282,10 +282,31 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 by_axis[a] += s / len(c.axes)
                 bytes_by_axis[a] += c.nbytes * mult / len(c.axes)
             cost_of[tid] += s
+        for c, _ in repeated:
+            bytes_by_kind[c.kind] -= c.nbytes * mult
+            for a in c.axes:
+                bytes_by_axis[a] -= c.nbytes * mult / len(c.axes)
+
+    # XLA's partitioner reshards one tensor to one spec once per computation (its reshard cache,
+    # then CSE): ops of one loop body (or of the top level) that need an operand resharded alike
+    # share one set of collectives, e.g. the tied embedding gathered for the logits and again for
+    # their gradient. The bytes count it once; the seconds stay the ILP's (pairwise tables price
+    # each reader's reshard), so that the plan's step time is still the objective it minimised.
+    resharded: set = set()
+
+    def repeats(tid, need, loop):
+        """The collectives of resharding ``tid`` to ``need`` where an op before did the same."""
+        key = (tid, need, loop)
+        if need is None or key not in resharded:
+            resharded.add(key)
+            return []
+        t = graph.tensors[tid]
+        return model.reshard_items(t.shape, t.dtype.itemsize, spec_of[tid], need)
 
     # Where the pricing reshards an operand before its op, or makes a result in place and
     # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
     operand_pins, result_pins, rewrites = {}, {}, {}
+    indices_of = {e.dst: e for e in graph.edges if e.primitive.startswith("scatter") and e.required is not None}
     for e in graph.edges:
         if e.required is not None:
             comms, pin, made, rewrite = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
@@ -297,19 +318,30 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 kind, made, partial = rewrite
                 rewrites[graph.tensors[e.dst].path] = {"kind": kind, "operand": spec_of[e.src], "made": made,
                                                        "partial": tuple(partial)}
+            account(comms, e.mult, e.dst, repeats(e.src, pin, graph.loop_of[e.dst]))
         else:
-            comms = enum.edge_comms(e, spec_of[e.src], spec_of[e.dst])
-        account(comms, e.mult, e.dst)
+            need = enum.scattered_updates(e, spec_of[e.src], spec_of[e.dst])
+            if need is not None and need != spec_of[e.src]:
+                # Pinned, so that XLA moves the updates in the steps priced (one at a time), and
+                # the indices to match them (small; else XLA reshards the updates to suit them).
+                operand_pins[(graph.tensors[e.src].path, graph.tensors[e.dst].path)] = need
+                ie = indices_of.get(e.src)
+                if ie is not None and ie.required(need) != spec_of[ie.src]:
+                    operand_pins[(graph.tensors[ie.src].path, graph.tensors[e.dst].path)] = ie.required(need)
+            account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
     compute = 0.0
     dot_operands = {}
     for k, dot in enumerate(graph.dots):
         node = problem.nodes[problem.node_of_dot[k]]
         option = node.options[choice[problem.node_of_dot[k]]]
-        account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out)
+        req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
+        repeated = [c for tid, need in ((dot.lhs, req_l), (dot.rhs, req_r))
+                    for c in repeats(tid, need if need != spec_of[tid] else None, graph.loop_of[dot.out])]
+        account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out,
+                repeated)
         t = enum.dot_compute(dot, option) * dot.mult
         compute += t
         cost_of[dot.out] += t
-        req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
         # The result spec the strategy computes, reduced as priced (before any resharding to the
         # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))

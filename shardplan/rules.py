@@ -372,7 +372,24 @@ def _scatter_add_rule(g, eqn, ins, out, edge):
         used = {a for axes in spec for a in axes}
         partial = tuple(a for d in scatter_up for a in s[d] if a not in used)
         return spec, partial
-    edge(updates, out, produced=produced)
+
+    passthrough_dims = {d for d in window_op if d not in op_batching and op_shape[d] == up_shape[up_of_op[d]]}
+
+    def operand_passthrough(s, dst):
+        # XLA's "operand passthrough" scatter: where the result is split only along whole window
+        # dims, the updates are resharded to be split the same way on their window dims (keeping
+        # what they split on their scatter dims on other axes: partial sums, reduced after the
+        # local scatter), and each device scatters into its own shard. None where it does not apply.
+        sharded = {d for d, axes in enumerate(dst) if axes}
+        if not sharded or not sharded <= passthrough_dims:
+            return None
+        taken = {a for d in sharded for a in dst[d]}
+        need = [tuple(a for a in axes if a not in taken) for axes in s]
+        for d, u in up_of_op.items():
+            if d in window_op:
+                need[u] = dst[d]
+        return tuple(need)
+    edge(updates, out, produced=produced, passthrough=operand_passthrough)
     if indices is not None and idx_rank:
         edge(indices, updates, required=lambda s: tuple(s[up_of_idx[d]] if d in up_of_idx else ()
                                                         for d in range(idx_rank)))

@@ -16,9 +16,33 @@ import re
 
 import numpy as np
 
-from shardplan.cost import Comm, CostModel, Spec
+from shardplan.cost import REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
+
+
+# XLA's Shardy partitioner (jax 0.10.2, every backend) computes a wrong result for a batched
+# dot whose batch dimension is already split (say experts over `data`), whose contraction is
+# split over two or more mesh axes (tokens over ('fsdp', 'model')), when the result's batch
+# dimension is to take some but not all of those axes (experts over ('data', 'fsdp')): it slices
+# the local batch as if it were whole, and the shards the other `data` rank holds are lost. Seen
+# as a wrong expert-weight gradient in a top-k MoE step; the cases are in tests/test_xla_bugs.py.
+# Such a reduction is priced out of every plan (an hour a step); the partitioner's own choice for
+# the same operands, or the whole contraction's axes, or none of them, compute correctly.
+MISCOMPILED_S = 3600.0
+
+
+def miscompiled_reduction(dot, produced: Spec, groups, dst: Spec) -> bool:
+    """Whether reducing this dot's partial sums (``groups``: the axes of each split contraction)
+    from ``produced`` to ``dst`` is the reduction XLA miscompiles (see ``MISCOMPILED_S``)."""
+    for _, _, o in (dims for dims in dot.dims if None not in dims):
+        if not produced[o]:
+            continue
+        have = set(dst[o]) if o < len(dst) else set()
+        for group in groups or ():
+            if len(group) > 1 and 0 < len(have & set(group)) < len(group):
+                return True
+    return False
 
 
 @dataclasses.dataclass
@@ -280,6 +304,24 @@ class Enumerator:
                 best = (other, None, None, rewrite)
         return best
 
+    def scattered_updates(self, edge, src_spec: Spec, dst_spec: Spec) -> Spec | None:
+        """For a scatter's updates-to-result edge: the spec the updates are resharded to where XLA
+        scatters by operand passthrough (each device into its own shard of the result); ``None``
+        where it scatters the updates as they are (index passthrough, partial sums reduced).
+        XLA picks by a size estimate (gather_scatter_handler.cc, ScatterPartitionMethodCostModel):
+        operand passthrough holds the result's shard and the resharded updates; index passthrough
+        holds the whole result and the updates as they are. The indices (small) are left out."""
+        if not edge.primitive.startswith("scatter") or edge.passthrough is None:
+            return None
+        need = edge.passthrough(src_spec, dst_spec)
+        if need is None:
+            return None
+        m, t, src = self.m, self.g.tensors[edge.dst], self.g.tensors[edge.src]
+        held = m.per_device_bytes(t.shape, t.dtype.itemsize, dst_spec) + \
+            m.per_device_bytes(src.shape, src.dtype.itemsize, need)
+        whole = t.dtype.itemsize * math.prod(t.shape) + m.per_device_bytes(src.shape, src.dtype.itemsize, src_spec)
+        return need if held <= whole or not edge.produced(src_spec)[1] else None
+
     def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one op edge, each with its seconds per step."""
         if edge.required is not None:
@@ -287,6 +329,16 @@ class Enumerator:
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
         m, share = self.m, self.combined.get(edge.dst, 1)
+        need = self.scattered_updates(edge, src_spec, dst_spec)
+        if need is not None:
+            # The updates move (an all-to-all, a gather, or a local slice), each device scatters
+            # into its shard; axes the updates still split elsewhere leave partial sums of that
+            # shard, all-reduced.
+            src = self.g.tensors[edge.src]
+            left = edge.produced(need)[1]
+            items = m.reshard_items(src.shape, src.dtype.itemsize, src_spec, need) + \
+                m.reduce_items(t.shape, t.dtype.itemsize, dst_spec, left, dst_spec, share=share)
+            return self.scaled(items, edge.mult)
         if edge.primitive.startswith("scatter") and partial:
             # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
             # not turn them into a reduce-scatter. Dimensions the target shards and the updates
@@ -301,7 +353,7 @@ class Enumerator:
             items = m.reduce_items(t.shape, t.dtype.itemsize, sliced, partial, sliced, share=share) + \
                 m.reshard_items(t.shape, t.dtype.itemsize, sliced, dst_spec)
         else:
-            items = m.reduce_items(t.shape, t.dtype.itemsize, produced, partial, dst_spec, share=share)
+            items = m.reduce_items(t.shape, t.dtype.itemsize, produced, partial, dst_spec, REDUCE_OP, share)
         return self.scaled(items, edge.mult)
 
     def edge_seconds(self, edge, src_spec: Spec, dst_spec: Spec) -> float:
@@ -531,7 +583,7 @@ class Enumerator:
                 # its group gives it.
                 haves, h_index = _distinct(spec_of[e.src])
                 dsts, d_index = _distinct(spec_of[e.dst])
-                made, m_index = _distinct([(p, tuple(part), None) for p, part in map(e.produced, haves)])
+                made, m_index = _distinct([(p, tuple(part), REDUCE_OP) for p, part in map(e.produced, haves)])
                 dst = g.tensors[e.dst]
                 cells = self.m.reduce_table(dst.shape, dst.dtype.itemsize, made, dsts,
                                             self.combined.get(e.dst, 1))[m_index]
@@ -559,6 +611,10 @@ class Enumerator:
                 shape, itemsize = t.shape, t.dtype.itemsize
                 if role == "out":
                     cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
+                    for i, (prod, _, grp) in enumerate(wants):
+                        for j, have in enumerate(haves):
+                            if miscompiled_reduction(dot, prod, grp, have):
+                                cells[i, j] += MISCOMPILED_S
                 else:
                     cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
                 cells = dot.mult * cells

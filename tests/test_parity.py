@@ -23,11 +23,9 @@ def _run(step, state, batch, n=3):
 
 
 # XLA's SPMD partitioner warns "Involuntary full rematerialization" where it can only reshard by
-# replicating first. No plan of the planner should make it. These two still do (issue 12, open):
-# llama-tiny unrolled on (2,2,2), and on (4,2) a constraint from the batch split over all eight
-# devices to f32[1,32,64] split over the last two dimensions, which the emitter asks for without
-# knowing the source spec, so it is not split into steps XLA does directly. Listed so a fix shows.
-KNOWN_FALLBACKS = {("llama-tiny", False, "2x2x2"), ("llama-tiny", False, "4x2")}
+# replicating first. No plan of the planner makes it: every reshard is emitted in the steps it
+# was priced as (cost.reshard_steps), a scatter's updates included.
+KNOWN_FALLBACKS: set = set()
 FALLBACK = "Involuntary full rematerialization"
 
 
