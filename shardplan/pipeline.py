@@ -203,6 +203,9 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         return jax.lax.scan(lambda c, layer: (f(c, layer)[0], None), h, chunk)[0]
 
     stage_ids = jnp.arange(S)
+
+    def _is_first(a):
+        return (stage_ids == 0).reshape((S,) + (1,) * (a.ndim - 1))
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
 
@@ -214,7 +217,11 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
         put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
         fresh = jax.tree.map(lambda i, o: jnp.where(first, take(i, m0), take(o, m0)), inputs, outputs)
-        state = jax.tree.map(lambda s, x: _constrain(put(s, x, 0), mesh, config.axis), state, fresh)
+        # Into stage 0 by a select, not an update of row 0: its transpose (the backward loop) is
+        # a select too, and the cotangent reaches the replicated input by an all-reduce of one
+        # microbatch, where the transposed update all-gathered every stage's microbatch.
+        state = jax.tree.map(lambda s, x: _constrain(jnp.where(_is_first(s), x[None], s), mesh, config.axis),
+                             state, fresh)
         if R == 1:
             chunks = jax.tree.map(lambda p: p[:, 0], params)
         else:
