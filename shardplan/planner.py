@@ -23,6 +23,7 @@ from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats, greedy, peak_memory, solve, total_cost
 from shardplan.strategies import Enumerator
+from shardplan.targets import compiler_kind
 from shardplan.tying import tie, untie
 
 
@@ -257,6 +258,38 @@ def _short(source: str) -> str:
     return where.rsplit("/", 1)[-1] if ":" in where else ""
 
 
+def _reassociated(graph: Graph, all_reduced: dict[int, list], account) -> None:
+    """XLA's AllReduceReassociate: ``add(all-reduce(x), all-reduce(y))`` becomes
+    ``all-reduce(add(x, y))`` where both all-reduce the same bytes over the same mesh axes and
+    nothing else reads them (through a transpose or reshape on the way), e.g. a tied embedding's
+    gradient summed from its lookup and its logits. The bytes count one all-reduce; the seconds
+    stay the ILP's (each reduction is priced on its own edge), as for a repeated reshard."""
+    readers: dict[int, int] = {}
+    for tid in graph.eqn_inputs.values():
+        readers[tid] = readers.get(tid, 0) + 1
+
+    def sole(tid):
+        items = all_reduced.get(tid, [])
+        return items[0] if tid is not None and len(items) == 1 and readers.get(tid) == 1 else None
+
+    for t in graph.tensors:
+        here, _, j = t.path.rpartition(":")
+        prim = here.rsplit("/", 1)[-1].partition(".")[2]
+        if j != "0" or t.id in all_reduced:
+            continue
+        if prim in ("transpose", "reshape", "copy"):
+            moved = sole(graph.eqn_inputs.get((here, 0)))
+            if moved is not None:
+                all_reduced[t.id] = [moved]
+        elif prim in ("add", "add_any"):
+            a, b = graph.eqn_inputs.get((here, 0)), graph.eqn_inputs.get((here, 1))
+            ra, rb = sole(a), sole(b)
+            if a != b and ra is not None and rb is not None and \
+                    (ra[0].axes, ra[0].nbytes, ra[1]) == (rb[0].axes, rb[0].nbytes, rb[1]):
+                account([], rb[1], t.id, [(rb[0], 0.0)])
+                all_reduced[t.id] = [ra]
+
+
 def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
                input_args, in_tree, out_tree, out_names=None) -> Plan:
     model = enum.m
@@ -274,8 +307,12 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     by_axis = dict.fromkeys(mesh.axis_names, 0.0)
     bytes_by_axis = dict.fromkeys(mesh.axis_names, 0.0)
 
+    all_reduced: dict[int, list] = {}      # tensor -> the all-reduces of its partial sums, (Comm, mult)
+
     def account(priced, mult, tid, repeated=()):
         for c, s in priced:
+            if c.kind == "all-reduce":
+                all_reduced.setdefault(tid, []).append((c, mult))
             by_kind[c.kind] += s
             bytes_by_kind[c.kind] += c.nbytes * mult
             for a in c.axes:
@@ -345,6 +382,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         # The result spec the strategy computes, reduced as priced (before any resharding to the
         # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
+    if compiler_kind(mesh) != "cpu":         # XLA's CPU pipeline does not reassociate all-reduces
+        _reassociated(graph, all_reduced, account)
     for t in graph.tensors:
         if t.id in enum.traffic and t.rank:
             s = enum.hbm_seconds(t.id, model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]))

@@ -102,8 +102,13 @@ def resolve(target: str, spec: MeshSpec) -> str:
         raise ShardplanError(f"unknown compile target {target!r}: one of {', '.join(TARGETS)}")
     if target != "auto":
         return target
-    kind = "gpu" if gpu_family(spec) else "tpu" if spec.device.name in _TPU_TOPOLOGIES else "cpu"
+    kind = compiler_kind(spec)
     return kind if available(kind) else "cpu"
+
+
+def compiler_kind(spec: MeshSpec) -> str:
+    """The kind of compiler the mesh's devices run programs through: "gpu", "tpu" or "cpu"."""
+    return "gpu" if gpu_family(spec) else "tpu" if spec.device.name in _TPU_TOPOLOGIES else "cpu"
 
 
 @functools.lru_cache(maxsize=8)
