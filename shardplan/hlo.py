@@ -126,9 +126,35 @@ def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
     return tuple(name for k, name in enumerate(mesh.axis_names) if len({int(c[k]) for c in coords}) > 1)
 
 
+_ROOT_OPERANDS = re.compile(r"ROOT .*? (compare|fusion)\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)")
+_S32_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+
+
+def _counted_trips(condition: list[str], bodies: dict[str, list[str]]) -> int:
+    """A loop's trips read off its condition where the compiler gives no ``known_trip_count``
+    (libtpu does not): ``i < N`` with a constant ``N`` (the compare itself, or a fusion of it),
+    the counter a scan starts at 0. Else 1."""
+    constants = {m.group(1): int(m.group(2)) for m in map(_S32_CONSTANT.match, condition) if m}
+    for line in condition:
+        m = _ROOT_OPERANDS.search(line)
+        if not m:
+            continue
+        op, a, b, rest = m.groups()
+        if op == "fusion":
+            callee = re.search(r"calls=%?([\w.\-]+)", rest)
+            root = next((ln for ln in bodies.get(callee.group(1), []) if "ROOT" in ln), "") if callee else ""
+            if not re.search(r"compare\(%?param_0[\w.]*, %?param_1[\w.]*\), direction=LT", root):
+                return 1
+        elif "direction=LT" not in rest:
+            return 1
+        return max(constants[b], 1) if b in constants and a not in constants else 1
+    return 1
+
+
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
     """Each computation's lines, and how many times it runs per step (ENTRY once; a while body
-    its ``known_trip_count`` times, or once if unknown; called computations as often as callers)."""
+    its ``known_trip_count`` times, else as its condition counts, else once; called computations as
+    often as callers)."""
     bodies: dict[str, list[str]] = {}
     current, entry = None, None
     for line in hlo_text.splitlines():
@@ -151,7 +177,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
             w = _WHILE.search(line)
             if w:
                 trip = _TRIP.search(line)
-                visit(w.group(2), times * (int(trip.group(1)) if trip else 1), True)
+                n = int(trip.group(1)) if trip else _counted_trips(bodies.get(w.group(1), []), bodies)
+                visit(w.group(2), times * n, True)
                 continue
             for callees in _CALLS.findall(line):
                 for callee in re.split(r",\s*", callees):
