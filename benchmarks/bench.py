@@ -319,7 +319,8 @@ def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: 
             continue
         circular = (layers // stages) % 2 == 0
         config = PipelineConfig(stages, micro, Schedule.CIRCULAR if circular else Schedule.GPIPE,
-                                repeats=2 if circular else 1)
+                                repeats=2 if circular else 1,
+                                batch_axes=("data",) if inner.get("data", 1) > 1 else ())
         mesh = staged.to_jax_mesh() if target == "cpu" else targets.target_mesh(staged, target)[0]
         state_specs, batch_specs = megatron_3d(state, batch, inner, stages)
         sh = jax.tree.map(lambda s: NamedSharding(mesh, s), (state_specs, batch_specs),

@@ -58,7 +58,11 @@ class PipelineError(ShardplanError, ValueError):
 class PipelineConfig:
     """One pipeline: ``stages`` over mesh axis ``axis``, the batch in ``microbatches``.
 
-    ``repeats`` is the circular schedule's number of rounds (1 for GPipe).
+    ``repeats`` is the circular schedule's number of rounds (1 for GPipe). ``batch_axes``: the
+    mesh axes the batch is split over, which each microbatch's rows keep where the last stage's
+    output is stored. The planner constrains every tensor itself and leaves it empty; a step
+    sharded by hand (``jax.jit`` with ``in_shardings`` only) names its data axes, or XLA may
+    all-gather the whole output buffer over them on every trip of the loop.
     """
 
     stages: int
@@ -66,6 +70,7 @@ class PipelineConfig:
     schedule: Schedule = Schedule.GPIPE
     repeats: int = 1
     axis: str = "stage"
+    batch_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.schedule, str):
@@ -78,6 +83,11 @@ class PipelineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PipelineError(f"{name}={value!r} is not a positive whole number")
+        axes = self.batch_axes
+        object.__setattr__(self, "batch_axes", (axes,) if isinstance(axes, str) else tuple(axes))
+        if self.axis in self.batch_axes:
+            raise PipelineError(f"batch_axes={self.batch_axes} holds the stage axis {self.axis!r}: the batch is split "
+                                "over the other mesh axes")
         if self.schedule is Schedule.GPIPE and self.repeats != 1:
             raise PipelineError(f"repeats={self.repeats} needs schedule='circular' (GPipe goes round once)")
         if self.schedule is Schedule.CIRCULAR and self.microbatches < self.stages:
@@ -96,13 +106,16 @@ class PipelineConfig:
         return (self.stages - 1) / self.iterations
 
     def to_json(self) -> dict:
-        return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule.value,
-                "repeats": self.repeats, "axis": self.axis}
+        out = {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule.value,
+               "repeats": self.repeats, "axis": self.axis}
+        if self.batch_axes:
+            out["batch_axes"] = list(self.batch_axes)
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> PipelineConfig:
         return cls(int(data["stages"]), int(data["microbatches"]), Schedule(data["schedule"]), int(data["repeats"]),
-                   str(data["axis"]))
+                   str(data["axis"]), tuple(map(str, data.get("batch_axes", ()))))
 
     def describe(self) -> str:
         rounds = f", {self.repeats} rounds" if self.schedule is Schedule.CIRCULAR else ""
@@ -128,6 +141,9 @@ def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh | jax.sharding.Abs
     if config.axis not in mesh.shape:
         raise PipelineError(f"the pipeline's stage axis {config.axis!r} is not a mesh axis (axes: "
                             f"{', '.join(mesh.axis_names)}); name one with PipelineConfig(axis=...)")
+    missing = [a for a in config.batch_axes if a not in mesh.shape]
+    if missing:
+        raise PipelineError(f"batch_axes {missing} are not mesh axes (axes: {', '.join(mesh.axis_names)})")
     if mesh.shape[config.axis] != config.stages:
         raise PipelineError(f"mesh axis {config.axis!r} has {mesh.shape[config.axis]} devices, the pipeline "
                             f"{config.stages} stages; use stages={mesh.shape[config.axis]} or resize the axis")
@@ -204,6 +220,13 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
 
     stage_ids = jnp.arange(S)
 
+    def rows(x):
+        """A microbatch with its rows over ``batch_axes`` (as it is where none are named)."""
+        if not config.batch_axes:
+            return x
+        spec = PartitionSpec(config.batch_axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
     def _is_first(a):
         return (stage_ids == 0).reshape((S,) + (1,) * (a.ndim - 1))
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
@@ -232,7 +255,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
         finished = (done >= 0) & (done < M * R)
-        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, a[S - 1], jnp.maximum(done, 0) % M), o),
+        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, rows(a[S - 1]), jnp.maximum(done, 0) % M), o),
                                outputs, out)
         state = jax.tree.map(lambda a: _constrain(jnp.roll(a, 1, axis=0), mesh, config.axis), out)
         return (state, outputs), None

@@ -82,6 +82,7 @@ CASES = [
     ("llama-tiny", {"stage": 4}, PipelineConfig(4, 8)),
     ("llama-tiny", {"stage": 4, "data": 2}, PipelineConfig(4, 4, "circular", repeats=2)),
     ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4)),
+    ("gpt-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4, batch_axes="data")),
 ]
 
 
@@ -124,6 +125,8 @@ def test_config_counts_the_loop_and_its_bubble():
     assert gpipe.bubble == pytest.approx(3 / 11) and circular.bubble == pytest.approx(3 / 19)
     assert circular.to_json() == {"stages": 4, "microbatches": 8, "schedule": "circular", "repeats": 2,
                                   "axis": "stage"}
+    held = PipelineConfig(4, 8, batch_axes="data")
+    assert held.batch_axes == ("data",) and PipelineConfig.from_json(held.to_json()) == held
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -132,6 +135,7 @@ def test_config_counts_the_loop_and_its_bubble():
     ({"stages": 2, "microbatches": 4, "repeats": 2}, r"repeats=2 needs schedule='circular'"),
     ({"stages": 4, "microbatches": 2, "schedule": "circular", "repeats": 2},
      r"at least as many microbatches as stages: microbatches=2 < stages=4"),
+    ({"stages": 2, "microbatches": 4, "batch_axes": ("data", "stage")}, r"batch_axes=\('data', 'stage'\) holds the stage axis"),
 ])
 def test_bad_configs_are_refused_naming_the_setting(kwargs, match):
     with pytest.raises(PipelineError, match=match):
@@ -148,6 +152,7 @@ def _toy_loss(params, x):
     (4, 6, {"stage": 2}, PipelineConfig(2, 4), r"a batch of 6 does not split into 4 microbatches"),
     (4, 8, {"data": 2}, PipelineConfig(2, 4), r"stage axis 'stage' is not a mesh axis \(axes: data\)"),
     (4, 8, {"stage": 4}, PipelineConfig(2, 4), r"mesh axis 'stage' has 4 devices, the pipeline 2 stages"),
+    (4, 8, {"stage": 2}, PipelineConfig(2, 4, batch_axes="data"), r"batch_axes \['data'\] are not mesh axes"),
 ])
 def test_bad_pipelines_are_refused_naming_the_setting(layers, batch, axes, config, match):
     params, x = jnp.ones((layers, 3, 3)), jnp.ones((batch, 3))
