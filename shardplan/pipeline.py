@@ -227,7 +227,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         spec = PartitionSpec(config.batch_axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def _is_first(a):
+    def is_first(a):
         return (stage_ids == 0).reshape((S,) + (1,) * (a.ndim - 1))
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
@@ -243,7 +243,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # Into stage 0 by a select, not an update of row 0: its transpose (the backward loop) is
         # a select too, and the cotangent reaches the replicated input by an all-reduce of one
         # microbatch, where the transposed update all-gathered every stage's microbatch.
-        state = jax.tree.map(lambda s, x: _constrain(jnp.where(_is_first(s), x[None], s), mesh, config.axis),
+        state = jax.tree.map(lambda s, x: _constrain(jnp.where(is_first(s), x[None], s), mesh, config.axis),
                              state, fresh)
         if R == 1:
             chunks = jax.tree.map(lambda p: p[:, 0], params)

@@ -19,30 +19,7 @@ import numpy as np
 from shardplan.cost import REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
-
-
-# XLA's Shardy partitioner (jax 0.10.2, every backend) computes a wrong result for a batched
-# dot whose batch dimension is already split (say experts over `data`), whose contraction is
-# split over two or more mesh axes (tokens over ('fsdp', 'model')), when the result's batch
-# dimension is to take some but not all of those axes (experts over ('data', 'fsdp')): it slices
-# the local batch as if it were whole, and the shards the other `data` rank holds are lost. Seen
-# as a wrong expert-weight gradient in a top-k MoE step; the cases are in tests/test_xla_bugs.py.
-# Such a reduction is priced out of every plan (an hour a step); the partitioner's own choice for
-# the same operands, or the whole contraction's axes, or none of them, compute correctly.
-MISCOMPILED_S = 3600.0
-
-
-def miscompiled_reduction(dot, produced: Spec, groups, dst: Spec) -> bool:
-    """Whether reducing this dot's partial sums (``groups``: the axes of each split contraction)
-    from ``produced`` to ``dst`` is the reduction XLA miscompiles (see ``MISCOMPILED_S``)."""
-    for _, _, o in (dims for dims in dot.dims if None not in dims):
-        if not produced[o]:
-            continue
-        have = set(dst[o]) if o < len(dst) else set()
-        for group in groups or ():
-            if len(group) > 1 and 0 < len(have & set(group)) < len(group):
-                return True
-    return False
+from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
 
 
 @dataclasses.dataclass
@@ -611,10 +588,11 @@ class Enumerator:
                 shape, itemsize = t.shape, t.dtype.itemsize
                 if role == "out":
                     cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
-                    for i, (prod, _, grp) in enumerate(wants):
-                        for j, have in enumerate(haves):
-                            if miscompiled_reduction(dot, prod, grp, have):
-                                cells[i, j] += MISCOMPILED_S
+                    for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
+                        if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
+                            for j, have in enumerate(haves):
+                                if miscompiled_reduction(dot, prod, grp, have):
+                                    cells[i, j] += MISCOMPILED_S
                 else:
                     cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
                 cells = dot.mult * cells

@@ -1,5 +1,5 @@
 """Reductions XLA's partitioner computes wrongly, and the planner's rule that keeps them out of
-every plan (``strategies.miscompiled_reduction``): whatever XLA gets wrong here, the rule must
+every plan (``xla_bugs.miscompiled_reduction``): whatever XLA gets wrong here, the rule must
 name, or a plan could ask for it and train on wrong numbers."""
 
 import itertools
@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardplan.graph import DotOp
-from shardplan.strategies import miscompiled_reduction
+from shardplan.xla_bugs import miscompiled_reduction
 
 AXES = ("data", "fsdp", "model")
 # "etd,etf->edf": the expert-weight gradient of a one-hot-dispatched MoE layer.
