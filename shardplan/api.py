@@ -104,7 +104,9 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
     recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
     policy}``: that one); the lowest predicted step that fits the budget kept."""
-    cands = pipeline_search.candidates(mesh_spec, setting)
+    searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
+    cands = pipeline_search.candidates(mesh_spec, setting, pipeline_search.probe(trace) if searched else None,
+                                       _budget(memory_budget, mesh_spec))
     best, failures, no_layers = None, [], False
 
     met = {}             # the layer classes of the last trace, kept when its plan does not fit

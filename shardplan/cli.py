@@ -327,8 +327,7 @@ def _mesh_calibrate(args) -> int:
 
 def _mesh_new(args, extra: list[str]) -> int:
     import re
-    import shardplan
-    from shardplan.mesh import hybrid_axes, write_mesh
+    from shardplan.mesh import cluster_mesh, write_mesh
     ici, dcn = {}, {}
     it = iter(extra)
     for flag in it:
@@ -341,16 +340,10 @@ def _mesh_new(args, extra: list[str]) -> int:
     if not ici and not dcn:
         raise ValueError("give the logical axes as --ici-AXIS N (inside a node) and --dcn-AXIS N (across nodes), "
                          "e.g. --ici-data 2 --ici-model 4 --dcn-data 2")
-    base = shardplan.load_mesh(args.hardware)
-    nodes = args.nodes if args.nodes is not None else base.num_devices // base.devices_per_node
-    per_node = args.devices_per_node or base.devices_per_node
-    axes = hybrid_axes(ici, dcn, per_node, nodes)
-    import dataclasses
-    from shardplan.mesh import Axis
-    flat = (Axis("_nodes", nodes, base.inter_node_link), Axis("_local", per_node, base.intra_node_link))
-    spec = dataclasses.replace(base, name=args.name, devices_per_node=per_node, axes=flat,
-                               source=f"hardware of preset {base.name}: {base.source}").with_axes(axes)
+    spec = cluster_mesh(args.hardware, ici, dcn, nodes=args.nodes, devices_per_node=args.devices_per_node,
+                        name=args.name)
     write_mesh(spec, args.out)
+    axes = dict(zip(spec.axis_names, spec.axis_sizes))
     print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}, axes {axes}, "
           f"links {[a.link.name for a in spec.axes]}", file=sys.stderr)
     return 0

@@ -565,6 +565,22 @@ def hybrid_axes(ici: Mapping[str, int], dcn: Mapping[str, int], devices_per_node
     return {a: dcn.get(a, 1) * ici.get(a, 1) for a in names}
 
 
+def cluster_mesh(hardware: str | MeshSpec, ici: Mapping[str, int], dcn: Mapping[str, int], *,
+                 nodes: int | None = None, devices_per_node: int | None = None, name: str = "custom") -> MeshSpec:
+    """A mesh of ``nodes`` nodes of ``hardware``'s device and links (a preset name or a
+    :class:`MeshSpec`; by default its own node count and size), with the logical axes
+    :func:`hybrid_axes` lays from MaxText-style ``ici`` and ``dcn`` sizes: what ``shardplan mesh
+    new`` writes. ``cluster_mesh("a100-128x8", {"model": 8}, {"data": -1}, nodes=240)`` is 1920
+    A100s as {data: 240, model: 8}."""
+    base = hardware if isinstance(hardware, MeshSpec) else load_mesh(hardware)
+    nodes = nodes if nodes is not None else base.num_devices // base.devices_per_node
+    per_node = devices_per_node or base.devices_per_node
+    axes = hybrid_axes(ici, dcn, per_node, nodes)
+    flat = (Axis("_nodes", nodes, base.inter_node_link), Axis("_local", per_node, base.intra_node_link))
+    return dataclasses.replace(base, name=name, devices_per_node=per_node, axes=flat,
+                               source=f"hardware of preset {base.name}: {base.source}").with_axes(axes)
+
+
 def mesh_from_jax(mesh: jax.sharding.Mesh, hardware: str | MeshSpec = "cpu-8") -> MeshSpec:
     """Price a ``jax.sharding.Mesh`` on the hardware of a preset (default ``cpu-8``), keeping its axes."""
     base = hardware if isinstance(hardware, MeshSpec) else load_mesh(hardware)

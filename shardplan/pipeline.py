@@ -63,6 +63,15 @@ class PipelineConfig:
     output is stored. The planner constrains every tensor itself and leaves it empty; a step
     sharded by hand (``jax.jit`` with ``in_shardings`` only) names its data axes, or XLA may
     all-gather the whole output buffer over them on every trip of the loop.
+
+    ``replicas``: where above 1, each microbatch is held as ``replicas`` groups of rows (the
+    batch's data-parallel ranks: split the new dimension over the data axes) and every stage's
+    weights are broadcast to one copy per group before the loop. Each group then accumulates its
+    own weight gradients through the loop, and they are summed once, after it, as Megatron-LM's
+    data parallelism does: without it a partitioner must reduce every microbatch's weight
+    gradient over the data axes on every trip (GPT-3 175B on 1024 A100s, 8 stages x 48
+    microbatches: 11.3 s of the step's 33.3 s). It costs one copy of a stage's weights and of
+    their gradients per device (they are not split over the data axes inside the loop).
     """
 
     stages: int
@@ -71,6 +80,7 @@ class PipelineConfig:
     repeats: int = 1
     axis: str = "stage"
     batch_axes: tuple[str, ...] = ()
+    replicas: int = 1
 
     def __post_init__(self):
         if isinstance(self.schedule, str):
@@ -79,7 +89,7 @@ class PipelineConfig:
             except ValueError:
                 raise PipelineError(f"schedule={self.schedule!r} is not a pipeline schedule; choose one of "
                                     f"{', '.join(s.value for s in Schedule)}") from None
-        for name in ("stages", "microbatches", "repeats"):
+        for name in ("stages", "microbatches", "repeats", "replicas"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PipelineError(f"{name}={value!r} is not a positive whole number")
@@ -110,20 +120,47 @@ class PipelineConfig:
                "repeats": self.repeats, "axis": self.axis}
         if self.batch_axes:
             out["batch_axes"] = list(self.batch_axes)
+        if self.replicas > 1:
+            out["replicas"] = self.replicas
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> PipelineConfig:
         return cls(int(data["stages"]), int(data["microbatches"]), Schedule(data["schedule"]), int(data["repeats"]),
-                   str(data["axis"]), tuple(map(str, data.get("batch_axes", ()))))
+                   str(data["axis"]), tuple(map(str, data.get("batch_axes", ()))), int(data.get("replicas", 1)))
 
     def describe(self) -> str:
         rounds = f", {self.repeats} rounds" if self.schedule is Schedule.CIRCULAR else ""
+        replicas = f", weight gradients summed over {self.replicas} row groups" if self.replicas > 1 else ""
         return (f"{self.stages} stages over mesh axis {self.axis!r}, {self.microbatches} microbatches, "
-                f"{self.schedule.value}{rounds} (bubble {self.bubble:.0%})")
+                f"{self.schedule.value}{rounds}{replicas} (bubble {self.bubble:.0%})")
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_pipeline", default=None)
+_SEEN: contextvars.ContextVar = contextvars.ContextVar("shardplan_layer_scans", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSite:
+    """A :func:`layer_scan` met while a step was traced outside a pipeline: its layer count, the
+    batch (leading size of its carry; ``None`` where the carry leaves disagree) and the bytes of
+    its stacked parameters."""
+
+    layers: int
+    batch: int | None
+    nbytes: int = 0         # the stacked layer parameters' bytes
+
+
+@contextlib.contextmanager
+def seen_stacks():
+    """Within this context, every :func:`layer_scan` traced outside a pipeline appends a
+    :class:`StackSite` to the list it yields (what a pipeline could split, and into what)."""
+    found: list[StackSite] = []
+    token = _SEEN.set(found)
+    try:
+        yield found
+    finally:
+        _SEEN.reset(token)
 
 
 @dataclasses.dataclass
@@ -170,6 +207,12 @@ def layer_scan(f, init, xs, length: int | None = None):
     f = recompute.scan_body(f, init, xs, recompute.caller(1))
     active = _ACTIVE.get()
     if active is None:
+        seen = _SEEN.get()
+        leaves = jax.tree.leaves(xs)
+        if seen is not None and leaves and leaves[0].ndim:
+            batches = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(init)}
+            seen.append(StackSite(leaves[0].shape[0], batches.pop() if len(batches) == 1 else None,
+                                  sum(x.size * x.dtype.itemsize for x in leaves)))
         return jax.lax.scan(f, init, xs, length=length)
     config, mesh, use = active
     use.pipelined += 1
@@ -201,31 +244,50 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     if batch % M:
         raise PipelineError(f"a batch of {batch} does not split into {M} microbatches; use microbatches dividing "
                             f"{batch}")
-    mb = batch // M
+    mb, D = batch // M, config.replicas
+    if mb % D:
+        raise PipelineError(f"microbatches of {mb} rows (a batch of {batch} in {M}) do not split into "
+                            f"replicas={D} groups; use replicas dividing {mb}")
     ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, jax.tree.map(lambda a: a[0], xs))
     if jax.tree.leaves(ys):
         raise PipelineError("under a pipeline the layer_scan body must return (carry, None): per-layer outputs "
                             "are not collected")
 
-    # Parameters: [layers, ...] -> [stages, repeats, per, ...], stage s holding chunks r * S + s.
+    def groups(x, lead: int):
+        """``x`` with its dimension ``lead`` (the row groups) over ``batch_axes``, the rest free."""
+        if not config.batch_axes:
+            return x
+        spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+        spec[lead] = config.batch_axes
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    # Parameters: [layers, ...] -> [stages, repeats, per, ...], stage s holding chunks r * S + s;
+    # with replicas, one copy per row group: [stages, replicas, repeats, per, ...].
     def stage_major(a):
         a = a.reshape((R, S, per) + a.shape[1:])
-        return _constrain(jnp.swapaxes(a, 0, 1), mesh, config.axis)
+        a = _constrain(jnp.swapaxes(a, 0, 1), mesh, config.axis)
+        if D == 1:
+            return a
+        return _constrain(groups(jnp.broadcast_to(a[:, None], (S, D) + a.shape[1:]), 1), mesh, config.axis)
     params = jax.tree.map(stage_major, xs)
-    # Microbatch m: rows m, m + M, ... (each spread over the batch's sharding), as [M, mb, ...].
-    inputs = jax.tree.map(lambda a: jnp.swapaxes(a.reshape((mb, M) + a.shape[1:]), 0, 1), init)
+    # Microbatch m: rows m, m + M, ... (each spread over the batch's sharding), as [M, mb, ...];
+    # with replicas, group d of it the rows of the batch's d-th block: [M, D, mb / D, ...].
+    if D == 1:
+        inputs = jax.tree.map(lambda a: jnp.swapaxes(a.reshape((mb, M) + a.shape[1:]), 0, 1), init)
+    else:
+        inputs = jax.tree.map(lambda a: jnp.moveaxis(a.reshape((D, mb // D, M) + a.shape[1:]), 2, 0), init)
 
     def run_chunk(chunk, h):
         return jax.lax.scan(lambda c, layer: (f(c, layer)[0], None), h, chunk)[0]
 
+    if D > 1:
+        run_chunk = jax.vmap(run_chunk)          # each row group with its own copy of the weights
+
     stage_ids = jnp.arange(S)
 
     def rows(x):
-        """A microbatch with its rows over ``batch_axes`` (as it is where none are named)."""
-        if not config.batch_axes:
-            return x
-        spec = PartitionSpec(config.batch_axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        """A microbatch with its rows (or row groups) over ``batch_axes`` (as it is where none are named)."""
+        return groups(x, 0)
 
     def is_first(a):
         return (stage_ids == 0).reshape((S,) + (1,) * (a.ndim - 1))
@@ -246,10 +308,11 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         state = jax.tree.map(lambda s, x: _constrain(jnp.where(is_first(s), x[None], s), mesh, config.axis),
                              state, fresh)
         if R == 1:
-            chunks = jax.tree.map(lambda p: p[:, 0], params)
+            chunks = jax.tree.map(lambda p: p[:, 0] if D == 1 else p[:, :, 0], params)
         else:
             repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)                # each stage's chunk
-            chunks = jax.tree.map(lambda p: jax.vmap(take)(p, repeat), params)
+            pick = lambda p, r: jax.lax.dynamic_index_in_dim(p, r, 0 if D == 1 else 1, keepdims=False)
+            chunks = jax.tree.map(lambda p: jax.vmap(pick)(p, repeat), params)
         out = jax.vmap(run_chunk)(chunks, state)
         out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
         # The last stage finishes item t - (S - 1).
@@ -261,4 +324,6 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         return (state, outputs), None
 
     (_, outputs), _ = jax.lax.scan(iteration, (state, outputs), jnp.arange(config.iterations))
-    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((batch,) + a.shape[2:]), outputs)
+    if D == 1:
+        return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((batch,) + a.shape[2:]), outputs)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2).reshape((batch,) + a.shape[3:]), outputs)

@@ -11,11 +11,12 @@ axis is split off the mesh's outermost axis (the one that crosses nodes on a mul
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, pipelined
+from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, StackSite, pipelined, seen_stacks
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16
@@ -45,11 +46,39 @@ def with_stage_axis(mesh: MeshSpec, stages: int, axis: str = STAGE_AXIS) -> Mesh
                         "of the axis sizes")
 
 
-def candidates(mesh: MeshSpec, setting) -> list[Candidate]:
+def microbatch_counts(staged: MeshSpec, stages: int, batch: int) -> list[int]:
+    """Microbatch counts worth planning for ``stages`` stages on ``staged`` (the mesh with its
+    stage axis) and a global ``batch``: from ``stages`` to ``16 * stages``, dividing the batch,
+    and each microbatch dividing over the mesh axes other than the stage axis (bar the innermost,
+    the tensor-parallel one, where there are two or more): a microbatch whose rows do not split
+    over the data axes is computed whole on every data rank (GPT-3 175B on 1024 A100s with 2
+    stages: 96-sequence microbatches over a data axis of 64 planned at 7x the step of 384-sequence
+    ones). Counts that divide the batch, where none also divides over the data axes."""
+    rows = _rows(staged)
+    dividing = [m for m in range(stages, 16 * stages + 1) if batch % m == 0]
+    return [m for m in dividing if (batch // m) % rows == 0] or dividing
+
+
+def _rows(staged: MeshSpec) -> int:
+    """Devices a microbatch's rows split over: the mesh axes other than the stage axis, bar the
+    innermost (the tensor-parallel one) where there are two or more."""
+    sizes = [n for a, n in zip(staged.axis_names, staged.axis_sizes) if a != STAGE_AXIS and n > 1]
+    return math.prod(sizes[:-1] if len(sizes) >= 2 else sizes)
+
+
+def candidates(mesh: MeshSpec, setting, stack: StackSite | None = None,
+               budget_bytes: float = math.inf) -> list[Candidate]:
     """What to plan for ``pipeline=setting``: ``None`` or ``"off"``, no pipeline; a
-    :class:`PipelineConfig`, that one; an int ``N``, ``N`` stages (GPipe with ``2N`` and ``8N``
-    microbatches, circular with 2 rounds and ``2N``) and, ``"auto"``, those for every stage count
-    up to 16 that divides the outermost mesh axis, and no pipeline."""
+    :class:`PipelineConfig`, that one; an int ``N``, ``N`` stages and, ``"auto"``, every stage
+    count up to 16 that divides the outermost mesh axis (and the layers), and no pipeline.
+
+    Per stage count ``S``: GPipe with few microbatches (the least of
+    :func:`microbatch_counts` from ``2S``) and with many (the most up to ``8S``), and the
+    circular schedule with 2 rounds and the few. ``stack`` (the step's layer stack, from
+    :func:`probe`) decides the counts (without it, ``2S`` and ``8S``), and whether the many and
+    the circular candidates sum their weight gradients once per step (``replicas``, one row
+    group per data rank): where a stage's weights and their gradients, split over the innermost
+    mesh axis alone, take at most half of ``budget_bytes``."""
     if setting is None or setting == "off":
         return [Candidate(None, mesh)]
     if isinstance(setting, PipelineConfig):
@@ -59,14 +88,39 @@ def candidates(mesh: MeshSpec, setting) -> list[Candidate]:
     if setting == "auto":
         outer = mesh.axis_sizes[0]
         counts = [s for s in range(2, min(outer, MAX_AUTO_STAGES) + 1) if outer % s == 0]
+        if stack is not None:
+            counts = [s for s in counts if stack.layers % s == 0]
         out = [Candidate(None, mesh)]
     else:
         counts, out = ([setting] if setting > 1 else []), ([] if setting > 1 else [Candidate(None, mesh)])
     for s in counts:
         staged = with_stage_axis(mesh, s)
-        out += [Candidate(PipelineConfig(s, 2 * s), staged), Candidate(PipelineConfig(s, 8 * s), staged),
-                Candidate(PipelineConfig(s, 2 * s, Schedule.CIRCULAR, repeats=2), staged)]
+        few, many, replicas = 2 * s, 8 * s, 1
+        if stack is not None and stack.batch is not None:
+            ms = microbatch_counts(staged, s, stack.batch)
+            if not ms:
+                continue         # fewer rows than stages: no microbatch for every stage
+            few = next((m for m in ms if m >= 2 * s), ms[-1])
+            many = max((m for m in ms if m <= 8 * s), default=few)
+            rows, inner = _rows(staged), staged.axis_sizes[-1]
+            if rows > 1 and (stack.batch // many) % rows == 0 and (stack.batch // few) % rows == 0 \
+                    and 2 * stack.nbytes / (s * inner) <= budget_bytes / 2:
+                replicas = rows
+        configs = [PipelineConfig(s, few)]
+        if many != few or replicas > 1:
+            configs.append(PipelineConfig(s, many, replicas=replicas))
+        if stack is None or stack.layers % (2 * s) == 0:
+            configs.append(PipelineConfig(s, few, Schedule.CIRCULAR, repeats=2, replicas=replicas))
+        out += [Candidate(c, staged) for c in configs]
     return out
+
+
+def probe(trace) -> StackSite | None:
+    """The step's layer stack (:func:`~shardplan.pipeline.layer_scan`), from tracing it outside a
+    pipeline: ``None`` where it has none, or more than one of different shapes."""
+    with seen_stacks() as seen:
+        trace()
+    return seen[0] if seen and len(set(seen)) == 1 else None
 
 
 def trace_for(trace, config: PipelineConfig | None, axis_names, axis_sizes):

@@ -83,6 +83,9 @@ CASES = [
     ("llama-tiny", {"stage": 4, "data": 2}, PipelineConfig(4, 4, "circular", repeats=2)),
     ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4)),
     ("gpt-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4, batch_axes="data")),
+    # Each data rank's row group with its own copy of the stage's weights, summed after the loop.
+    ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4, batch_axes="data", replicas=4)),
+    ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 2, "circular", repeats=2, replicas=2)),
 ]
 
 
@@ -127,6 +130,9 @@ def test_config_counts_the_loop_and_its_bubble():
                                   "axis": "stage"}
     held = PipelineConfig(4, 8, batch_axes="data")
     assert held.batch_axes == ("data",) and PipelineConfig.from_json(held.to_json()) == held
+    groups = PipelineConfig(4, 8, replicas=16)
+    assert groups.to_json()["replicas"] == 16 and PipelineConfig.from_json(groups.to_json()) == groups
+    assert "weight gradients summed over 16 row groups" in groups.describe()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -153,6 +159,7 @@ def _toy_loss(params, x):
     (4, 8, {"data": 2}, PipelineConfig(2, 4), r"stage axis 'stage' is not a mesh axis \(axes: data\)"),
     (4, 8, {"stage": 4}, PipelineConfig(2, 4), r"mesh axis 'stage' has 4 devices, the pipeline 2 stages"),
     (4, 8, {"stage": 2}, PipelineConfig(2, 4, batch_axes="data"), r"batch_axes \['data'\] are not mesh axes"),
+    (4, 8, {"stage": 2}, PipelineConfig(2, 2, replicas=3), r"microbatches of 4 rows .* do not split into replicas=3"),
 ])
 def test_bad_pipelines_are_refused_naming_the_setting(layers, batch, axes, config, match):
     params, x = jnp.ones((layers, 3, 3)), jnp.ones((batch, 3))
@@ -171,6 +178,7 @@ def test_per_layer_outputs_are_refused_under_a_pipeline():
 @pytest.mark.parametrize("model,axes,config", [
     ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4)),
     ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4, "circular", repeats=2)),
+    ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4, replicas=4)),
 ])
 def test_the_planner_plans_around_a_pipeline(model, axes, config):
     """``shardplan.auto`` on a step traced inside ``pipelined``: the pipeline's stage axis is held

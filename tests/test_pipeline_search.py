@@ -12,8 +12,8 @@ import pytest
 import shardplan
 from shardplan import PlanFileError
 from shardplan.models.train import reference
-from shardplan.pipeline import PipelineConfig, PipelineError
-from shardplan.pipeline_search import candidates, with_stage_axis
+from shardplan.pipeline import PipelineConfig, PipelineError, StackSite
+from shardplan.pipeline_search import candidates, microbatch_counts, with_stage_axis
 
 # Two nodes of four fake devices joined by a link 100x slower than the one inside a node.
 TWO_NODES = """
@@ -71,6 +71,28 @@ def test_the_stage_axis_is_split_off_the_outer_axis_on_the_link_it_crosses(two_n
     assert auto[0].config is None and {c.config.stages for c in auto[1:]} == {2, 4, 8}
     with pytest.raises(PipelineError, match=r"pipeline='sometimes': give 'auto', 'off', a number of stages"):
         candidates(mesh, "sometimes")
+
+
+def test_microbatches_split_over_the_data_axes_and_gradients_are_summed_once():
+    # GPT-3 175B's stack on 1024 A100s: 96 layers, batch 1536, 350 GB of bf16 weights.
+    mesh = shardplan.load_mesh("a100-128x8")
+    stack = StackSite(layers=96, batch=1536, nbytes=350 * 10**9)
+    staged = with_stage_axis(mesh, 8)                          # {stage: 8, data: 16, model: 8}
+    counts = microbatch_counts(staged, 8, 1536)
+    assert counts and all(1536 % m == 0 and (1536 // m) % 16 == 0 for m in counts)
+    assert 64 not in counts                                    # 24 rows do not split over 16 data ranks
+    by_stages = {}
+    for c in candidates(mesh, "auto", stack, budget_bytes=mesh.device.budget_bytes)[1:]:
+        by_stages.setdefault(c.config.stages, []).append(c.config)
+    assert sorted(by_stages) == [2, 4, 8, 16]
+    eight = by_stages[8]
+    assert [(c.microbatches, c.schedule.value, c.replicas) for c in eight] == \
+        [(16, "gpipe", 1), (48, "gpipe", 16), (16, "circular", 16)]
+    # Two stages: a stage's weights with their gradients (175 GB over 8 devices) are more than
+    # half the budget, so no copy per data rank.
+    assert all(c.replicas == 1 for c in by_stages[2])
+    # Without the stack (no probe) the counts are the fixed 2S and 8S.
+    assert [c.config.microbatches for c in candidates(mesh, 8)] == [16, 64, 16]
 
 
 def test_no_pipeline_on_one_node_with_ample_memory():
