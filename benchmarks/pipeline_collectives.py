@@ -30,8 +30,8 @@ from shardplan.models.train import reference  # noqa: E402
 from shardplan.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_COLLECTIVE = re.compile(r"= (\w+\[[^\]]*\])\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                         r"(?:-start)?\(")
+_COLLECTIVE = re.compile(r"= (\w+\[[^\]]*\]|\([^)]*\))\S* (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
 
 
 def collectives_per_computation(hlo: str) -> dict[str, collections.Counter]:
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=1, help="PipelineConfig.replicas (row groups over 'data')")
     args = ap.parse_args()
     ref = reference(args.model, scan=True)
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
@@ -66,7 +67,8 @@ def main() -> None:
     sh = jax.tree.map(lambda s: NamedSharding(mesh, s), (state_specs, batch_specs),
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
     step = jax.jit(ref.train_step, in_shardings=sh, out_shardings=(sh[0], None), donate_argnums=(0,))
-    config = PipelineConfig(args.stages, args.microbatches, Schedule(args.schedule), repeats=args.repeats)
+    config = PipelineConfig(args.stages, args.microbatches, Schedule(args.schedule), repeats=args.repeats,
+                            batch_axes=("data",), replicas=args.replicas)
     with pipelined(config, mesh):
         hlo = step.lower(state, batch).compile().as_text()
     print(f"{args.model}, Megatron 3D on cpu-8 (stage={args.stages}, data={inner['data']}, model=2), "

@@ -4,6 +4,7 @@ parallelism, and compute what the unpipelined, unsharded step computes; bad sett
 naming the setting."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +200,23 @@ def test_the_planner_plans_around_a_pipeline(model, axes, config):
     if config.schedule is Schedule.GPIPE:     # each stage's layers where the stage runs them
         stacked = [r for r in plan.inputs if "['layers']" in r.name and r.role == "params"]
         assert stacked and all(tuple(r.spec[0]) == ("stage",) for r in stacked), [(r.name, r.spec) for r in stacked]
+
+
+def _loop_gradient_reductions(hlo: str) -> int:
+    """All-reduces of several buffers at once (XLA's combined weight-gradient reductions) outside
+    the entry computation: inside the pipeline's loops."""
+    count, entry = 0, False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            entry = line.startswith("ENTRY")
+        if not entry and re.search(r"= \([^)]*\)\S* all-reduce(-start)?\(", line):
+            count += 1
+    return count
+
+
+def test_replicas_reduce_weight_gradients_once_a_step_not_once_a_microbatch():
+    axes = {"stage": 2, "data": 4}
+    *_, per_trip = _pipelined_run("gpt-tiny", "adamw", axes, PipelineConfig(2, 4, batch_axes="data"))
+    *_, once = _pipelined_run("gpt-tiny", "adamw", axes, PipelineConfig(2, 4, batch_axes="data", replicas=4))
+    assert _loop_gradient_reductions(per_trip) > 0
+    assert _loop_gradient_reductions(once) == 0
