@@ -15,7 +15,8 @@ row's layers, hidden size and heads (d_ff = 4 x hidden), on a mesh of GPUs/8 nod
 progress on stderr.
 
 Columns: TP is how many devices split the layers' weight matrices over mesh axes that do not
-split the batch; PP the pipeline stages (with microbatches and schedule); DP how many devices
+split the batch; PP the pipeline stages (with microbatches, schedule and the row groups whose
+weight gradients are summed once a step, ``replicas``); DP how many devices
 split the batch; ``x`` what is left of the GPUs (axes that split neither: replicated work, or a
 sequence split), so TP x PP x DP x x = GPUs. ZeRO names the axes that also shard the parameters
 (``params``, i.e. FSDP / ZeRO-3) or only the optimizer state (``opt``) over batch-splitting axes.
@@ -118,7 +119,8 @@ def parallelism(plan) -> dict:
     zero1 = sorted((opt_axes & batch_axes) - set(zero3))
     zero = ", ".join([f"params/{'+'.join(zero3)}"] * bool(zero3) + [f"opt/{'+'.join(zero1)}"] * bool(zero1)) or "-"
     schedule = "-" if config is None else \
-        f"{config.microbatches} mb {config.schedule.value}" + (f" x{config.repeats}" if config.repeats > 1 else "")
+        f"{config.microbatches} mb {config.schedule.value}" + (f" x{config.repeats}" if config.repeats > 1 else "") \
+        + (f", grads summed over {config.replicas}" if config.replicas > 1 else "")
     return {"tp": tp, "pp": pp, "dp": dp, "other": other, "schedule": schedule, "zero": zero,
             "tp_axes": sorted(tp_axes), "dp_axes": sorted(batch_axes)}
 

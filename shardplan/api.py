@@ -105,8 +105,14 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
     policy}``: that one); the lowest predicted step that fits the budget kept."""
     searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
-    cands = pipeline_search.candidates(mesh_spec, setting, pipeline_search.probe(trace) if searched else None,
-                                       _budget(memory_budget, mesh_spec))
+    stack = pipeline_search.probe(trace) if searched else None
+    cands = pipeline_search.candidates(mesh_spec, setting, stack, _budget(memory_budget, mesh_spec))
+    # Where no pipeline of up to 16 stages fits, deeper ones (GPT-3-sized stacks of 100+ layers
+    # on thousands of GPUs: Megatron-LM ran 35 and 64 stages).
+    deeper = pipeline_search.candidates(mesh_spec, setting, stack, _budget(memory_budget, mesh_spec),
+                                        deep=True) if setting == "auto" else []
+    if deeper:
+        cands.append(None)            # here: deeper pipelines follow where nothing before fitted
     best, failures, no_layers = None, [], False
 
     met = {}             # the layer classes of the last trace, kept when its plan does not fit
@@ -134,6 +140,12 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                                    remat=_remat_record(sites, choices)), (graph, traced), sites
 
     for k, cand in enumerate(cands):
+        if cand is None:
+            if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
+                with Status() as line:
+                    line.done("no pipeline of up to 16 stages fits: trying deeper ones")
+                cands += deeper
+            continue
         if cand.config is not None and len(cands) > 1:
             with Status() as line:
                 line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")

@@ -20,6 +20,7 @@ from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, StackSit
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16
+MAX_DEEP_STAGES = 64       # tried only where no pipeline of up to MAX_AUTO_STAGES fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,11 @@ def _rows(staged: MeshSpec) -> int:
 
 
 def candidates(mesh: MeshSpec, setting, stack: StackSite | None = None,
-               budget_bytes: float = math.inf) -> list[Candidate]:
+               budget_bytes: float = math.inf, deep: bool = False) -> list[Candidate]:
     """What to plan for ``pipeline=setting``: ``None`` or ``"off"``, no pipeline; a
     :class:`PipelineConfig`, that one; an int ``N``, ``N`` stages and, ``"auto"``, every stage
-    count up to 16 that divides the outermost mesh axis (and the layers), and no pipeline.
+    count up to 16 that divides the outermost mesh axis (and the layers), and no pipeline;
+    ``deep=True``: with ``"auto"``, the stage counts from 17 to 64 instead (and no other).
 
     Per stage count ``S``: GPipe with few microbatches (the least of
     :func:`microbatch_counts` from ``2S``) and with many (the most up to ``8S``), and the
@@ -87,10 +89,11 @@ def candidates(mesh: MeshSpec, setting, stack: StackSite | None = None,
         raise PipelineError(f"pipeline={setting!r}: give 'auto', 'off', a number of stages or a PipelineConfig")
     if setting == "auto":
         outer = mesh.axis_sizes[0]
-        counts = [s for s in range(2, min(outer, MAX_AUTO_STAGES) + 1) if outer % s == 0]
+        low, high = (MAX_AUTO_STAGES + 1, MAX_DEEP_STAGES) if deep else (2, MAX_AUTO_STAGES)
+        counts = [s for s in range(low, min(outer, high) + 1) if outer % s == 0]
         if stack is not None:
             counts = [s for s in counts if stack.layers % s == 0]
-        out = [Candidate(None, mesh)]
+        out = [] if deep else [Candidate(None, mesh)]
     else:
         counts, out = ([setting] if setting > 1 else []), ([] if setting > 1 else [Candidate(None, mesh)])
     for s in counts:
