@@ -104,13 +104,7 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
     recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
     policy}``: that one); the lowest predicted step that fits the budget kept."""
-    searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
-    stack = pipeline_search.probe(trace) if searched else None
-    cands = pipeline_search.candidates(mesh_spec, setting, stack, _budget(memory_budget, mesh_spec))
-    # Where no pipeline of up to 16 stages fits, deeper ones (GPT-3-sized stacks of 100+ layers
-    # on thousands of GPUs: Megatron-LM ran 35 and 64 stages).
-    deeper = pipeline_search.candidates(mesh_spec, setting, stack, _budget(memory_budget, mesh_spec),
-                                        deep=True) if setting == "auto" else []
+    cands, deeper = pipeline_search.rounds(mesh_spec, setting, trace, _budget(memory_budget, mesh_spec))
     if deeper:
         cands.append(None)            # here: deeper pipelines follow where nothing before fitted
     best, failures, no_layers = None, [], False

@@ -254,7 +254,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
                             "are not collected")
 
     def groups(x, lead: int):
-        """``x`` with its dimension ``lead`` (the row groups) over ``batch_axes``, the rest free."""
+        """``x`` with its dimension ``lead`` (a microbatch's rows or row groups) over ``batch_axes``, the rest free."""
         if not config.batch_axes:
             return x
         spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
@@ -285,10 +285,6 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
 
     stage_ids = jnp.arange(S)
 
-    def rows(x):
-        """A microbatch with its rows (or row groups) over ``batch_axes`` (as it is where none are named)."""
-        return groups(x, 0)
-
     def is_first(a):
         return (stage_ids == 0).reshape((S,) + (1,) * (a.ndim - 1))
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
@@ -318,7 +314,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
         finished = (done >= 0) & (done < M * R)
-        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, rows(a[S - 1]), jnp.maximum(done, 0) % M), o),
+        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, groups(a[S - 1], 0), jnp.maximum(done, 0) % M), o),
                                outputs, out)
         state = jax.tree.map(lambda a: _constrain(jnp.roll(a, 1, axis=0), mesh, config.axis), out)
         return (state, outputs), None

@@ -126,6 +126,17 @@ def probe(trace) -> StackSite | None:
     return seen[0] if seen and len(set(seen)) == 1 else None
 
 
+def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) -> tuple[list[Candidate], list[Candidate]]:
+    """``(candidates, deeper ones)`` for ``pipeline=setting`` on a step traced by ``trace()``: the
+    deeper ones (17 to 64 stages, ``"auto"`` only) are for where none of the first fits (GPT-3-sized
+    stacks on thousands of GPUs: Megatron-LM ran 35 and 64 stages). The step is traced once more,
+    outside any pipeline, to read its layer stack, where the setting searches stage counts."""
+    searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
+    stack = probe(trace) if searched else None
+    first = candidates(mesh, setting, stack, budget_bytes)
+    return first, candidates(mesh, setting, stack, budget_bytes, deep=True) if setting == "auto" else []
+
+
 def trace_for(trace, config: PipelineConfig | None, axis_names, axis_sizes):
     """``trace()`` (a step's trace) inside ``config``'s pipeline on a mesh of these axes (as it
     is where ``config`` is ``None``). ``None`` where the pipeline does not apply (the step has no
