@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
 from shardplan.errors import InfeasibleBudgetError
-from shardplan.exact import lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
+from shardplan.exact import lagrangian_start, lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph
 from shardplan.walk import build_graph
 from shardplan.mesh import MeshSpec
@@ -160,9 +160,12 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum):
         # Below the sum of every node's leanest option no plan can fit: skip straight to the
         # leanest plan (for the error's smallest budget that works).
         floor = float(_memory_floor(bounded).max())
-        sol = None if floor > budget_bytes else solve(bounded, budget_bytes=budget_bytes,
-                                                      time_limit=options.time_limit,
-                                                      relative_gap=options.relative_gap, status_line=line)
+        sol = None
+        if floor <= budget_bytes:
+            line.say(f"solving under the memory budget {format_bytes(budget_bytes)}: a plan that fits")
+            start = lagrangian_start(bounded, budget_bytes)
+            sol = solve(bounded, budget_bytes=budget_bytes, time_limit=options.time_limit,
+                        relative_gap=options.relative_gap, hint=start, status_line=line)
         if sol is None:
             line.say("solving for the leanest plan")
             lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,

@@ -121,10 +121,13 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
             for terms, fixed in exprs:
                 model.Add(sum(terms) <= int((budget_bytes - fixed) // mem_unit))
 
+    # The constant part of the step time goes into the objective too: CP-SAT's relative gap is
+    # then a fraction of the predicted step, as ``relative_gap`` promises, not of its variable part.
+    off_units = int(round(offset / TIME_UNIT))
     if minimize_memory:
         model.Minimize(peak)
     else:
-        model.Minimize(sum(objective))
+        model.Minimize(sum(objective) + off_units)
     start_choice = hint if hint is not None else greedy(problem)
     # A complete hint (the product booleans too) is a solution CP-SAT takes as it is: it starts
     # from the local-search plan instead of having to repair a partial assignment.
@@ -146,7 +149,7 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     solver.parameters.interleave_search = True   # deterministic with several workers
     solver.parameters.random_seed = 0
     solver.parameters.relative_gap_limit = relative_gap
-    callback = _Reporter(status_line, offset, minimize_memory, mem_unit) if status_line is not None \
+    callback = _Reporter(status_line, minimize_memory, mem_unit) if status_line is not None \
         and status_line.enabled else None
     # CP-SAT's own SIGINT handler would end the search quietly and hand back a half-searched plan
     # as if it were the answer: Ctrl-C must stop planning instead (KeyboardInterrupt).
@@ -167,7 +170,7 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
         obj = bound = float(solver.ObjectiveValue()) * mem_unit
     else:
         obj = total_cost(problem, choice)
-        bound = min(obj, offset + solver.BestObjectiveBound() * TIME_UNIT)
+        bound = min(obj, offset + (solver.BestObjectiveBound() - off_units) * TIME_UNIT)
     stats = SolverStats(
         status=status_name, objective=obj, bound=bound,
         gap=0.0 if obj <= 0 else max(0.0, (obj - bound) / obj),
@@ -213,16 +216,16 @@ def _solve_interruptibly(solver, model, callback):
 class _Reporter(cp_model.CpSolverSolutionCallback):
     """Shows each better plan CP-SAT finds: its objective, the bound and the gap."""
 
-    def __init__(self, status_line, offset: float, minimize_memory: bool, mem_unit: float):
+    def __init__(self, status_line, minimize_memory: bool, mem_unit: float):
         super().__init__()
-        self.line, self.offset, self.memory, self.unit = status_line, offset, minimize_memory, mem_unit
+        self.line, self.memory, self.unit = status_line, minimize_memory, mem_unit
 
     def on_solution_callback(self) -> None:
         if self.memory:
             self.line.say(f"solving for the least memory: {self.ObjectiveValue() * self.unit / 2**30:.2f} GiB")
             return
-        obj = self.offset + self.ObjectiveValue() * TIME_UNIT
-        bound = self.offset + self.BestObjectiveBound() * TIME_UNIT
+        obj = self.ObjectiveValue() * TIME_UNIT        # the objective holds the constant part
+        bound = self.BestObjectiveBound() * TIME_UNIT
         gap = (obj - bound) / obj if obj > 0 else 0.0
         self.line.say(f"solving: best plan {obj * 1e3:.3f} ms, bound {bound * 1e3:.3f} ms, gap {gap:.1%}")
 

@@ -19,13 +19,13 @@ from shardplan.walk import build_graph
 AXES = {"data": 2, "fsdp": 2, "model": 2}
 
 
-def _enumerator(model, scan, batch=16):
+def _enumerator(model, scan, batch=16, axes=AXES):
     ref = reference(model, scan=scan)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     traced = trace_step(ref.train_step, (state, ref.batch(batch, abstract=True)), {},
                         CallSpec.make(ref.train_step, (), (), (0,), ()))
     graph = build_graph(traced.closed, traced.names, apply_rule, num_points=12, ties=traced.state_pairs)
-    return Enumerator(graph, CostModel(shardplan.load_mesh("cpu-8", axes=AXES)))
+    return Enumerator(graph, CostModel(shardplan.load_mesh("cpu-8", axes=axes)))
 
 
 def test_tables_priced_for_some_options_are_the_full_tables_cells():
@@ -85,3 +85,26 @@ def test_the_planner_searches_three_axis_meshes_by_axes_and_prices_what_it_chose
     two = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}),
                          cache=False)
     assert p.cost.step_s <= two.cost.step_s * (1 + 1e-9)
+
+
+def test_memory_priced_into_the_exact_solve_finds_a_plan_within_the_budget():
+    """:func:`lagrangian_start`, CP-SAT's start under a budget: within it, near CP-SAT's optimum."""
+    from shardplan.exact import lagrangian_start
+    from shardplan.simplify import eliminate_dead_ends, simplify
+    from shardplan.solver import solve
+    from shardplan.tying import tie
+    enum = _enumerator("llama-tiny", scan=True, axes={"data": 2, "model": 4})
+    problem, _ = eliminate_dead_ends(simplify(tie(enum.build()).problem).problem, memory=True)
+    free = solve_reduced(problem, tie_layers=False)
+    loose = peak_memory(problem, free)
+    assert lagrangian_start(problem, loose) == free              # the optimum fits: it is the answer
+    lean = solve(problem, budget_bytes=None, minimize_memory=True, time_limit=10)
+    floor = peak_memory(problem, lean.choice)
+    budget = floor + 0.3 * (loose - floor)
+    start = lagrangian_start(problem, budget)
+    assert start is not None and peak_memory(problem, start) <= budget
+    best = solve(problem, budget_bytes=budget, time_limit=10, relative_gap=0.0, hint=start)
+    assert best.stats.bound <= total_cost(problem, best.choice) <= total_cost(problem, start)
+    assert total_cost(problem, start) <= 1.2 * best.stats.bound      # 3.7% over CP-SAT's optimum here
+    assert total_cost(problem, start) > total_cost(problem, free)   # the budget costs something here
+    assert lagrangian_start(problem, 0.5 * floor) is None          # below every plan: nothing fits
