@@ -104,6 +104,7 @@ def _cells() -> list[Cell]:
     # Global batches of one sequence per device: what a user of these clusters runs at the least.
     out.append(Cell("gpt3-175b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
     out.append(Cell("llama3-70b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
+    out.append(Cell("llama3-70b", 64, "h100-8x8", (("data", 8), ("model", 8)), remat="full"))
     out.append(Cell("gpt3-175b", 1024, "tpu-v5p-2x512", (("replica", 2), ("data", 64), ("model", 8)), remat="full"))
     return out
 
@@ -128,6 +129,7 @@ class Row:
     cpu_step_ms: float = float("nan")     # measured on 8 fake CPU devices (tiny cells)
     budget_gib: float = float("nan")      # the cell's memory budget per device
     compiler: str = ""                    # which compiler compiled the cell's plans
+    choice: str = ""                      # the planner's pipeline, where it chose one
 
     @property
     def comm_ms(self) -> float:
@@ -245,8 +247,10 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
     rows = []
 
     # On a GPU or TPU target the budget is held on that compiler's program (planned again while over).
+    # Across nodes the planner searches pipelines too, as `shardplan plan` does by default.
     f = shardplan.auto(ref.train_step, mesh=mesh_spec, memory_budget=budget, donate_argnums=(0,),
-                       time_limit=time_limit, cache=False, fit_compiled=None if target == "cpu" else target)
+                       time_limit=time_limit, cache=False, fit_compiled=None if target == "cpu" else target,
+                       pipeline="auto" if mesh_spec.nodes > 1 else None)
     try:
         start = time.perf_counter()
         f.make_plan(state, batch)     # trace, build the graph, solve (and on a target, the compiled-budget loop)
@@ -257,6 +261,10 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
             compiled, _, _ = f.compile_for(target, state, batch)       # the loop's last compile
         row = Row(cell.id, "shardplan", predicted_ms=f.plan.cost.step_s * 1e3,
                   solve_s=solve_s, **price_compiled(compiled, mesh_spec, jax_mesh))
+        pc = f.plan.pipeline_config()
+        if pc is not None:
+            row.choice = f"PP {pc.stages}, {pc.microbatches} microbatches, {pc.schedule.value}" + \
+                (f" x{pc.repeats}" if pc.repeats > 1 else "") + (f", {pc.replicas} row groups" if pc.replicas > 1 else "")
         if row.memory_gib * 2**30 > budget:
             row.status = "over budget"       # predicted to fit, compiled bigger: shown, never hidden
         if cell.execute:
@@ -318,9 +326,12 @@ def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: 
             why = f"{micro} microbatches of one sequence per data rank is fewer than {stages} stages"
             continue
         circular = (layers // stages) % 2 == 0
+        # Megatron-LM's data parallelism: each data rank keeps its own copy of the stage's
+        # weights and their gradients are summed once a step (replicas), not every microbatch.
+        data = inner.get("data", 1)
         config = PipelineConfig(stages, micro, Schedule.CIRCULAR if circular else Schedule.GPIPE,
-                                repeats=2 if circular else 1,
-                                batch_axes=("data",) if inner.get("data", 1) > 1 else ())
+                                repeats=2 if circular else 1, batch_axes=("data",) if data > 1 else (),
+                                replicas=data)
         mesh = staged.to_jax_mesh() if target == "cpu" else targets.target_mesh(staged, target)[0]
         state_specs, batch_specs = megatron_3d(state, batch, inner, stages)
         sh = jax.tree.map(lambda s: NamedSharding(mesh, s), (state_specs, batch_specs),
@@ -379,7 +390,7 @@ def markdown(all_rows: list[Row]) -> str:
              "| collectives (count, GiB) | solve s | CPU step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         coll = "" if r.collectives != r.collectives else f"{r.collectives:.0f}, {r.collective_gib:.3f}"
-        lines.append(f"| {r.cell} | {r.plan} | {r.status} | {_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
+        lines.append(f"| {r.cell} | {r.plan}{f' ({r.choice})' if r.choice else ''} | {r.status} | {_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
                      f"{_fmt(r.comm_ms) if r.comm_ms_by_kind else ''} | {_fmt(r.memory_gib)} | {coll} | "
                      f"{_fmt(r.solve_s, 1)} | {_fmt(r.cpu_step_ms, 1)} |")
     lines += ["", "| cell | budget GiB/dev | planner / best baseline (compiled) | best baseline | compiled by |",

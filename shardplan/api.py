@@ -145,7 +145,9 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                 line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
         try:
             if remat != "auto":
-                found = [plan_in(cand, remat)[:2]]
+                # Cut short where the candidate's plan without the budget is no faster than the best so far.
+                got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
+                found = [] if got is None else [got[:2]]
             else:
                 made = {}
 

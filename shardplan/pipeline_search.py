@@ -130,11 +130,23 @@ def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) -> tuple[list[Ca
     """``(candidates, deeper ones)`` for ``pipeline=setting`` on a step traced by ``trace()``: the
     deeper ones (17 to 64 stages, ``"auto"`` only) are for where none of the first fits (GPT-3-sized
     stacks on thousands of GPUs: Megatron-LM ran 35 and 64 stages). The step is traced once more,
-    outside any pipeline, to read its layer stack, where the setting searches stage counts."""
+    outside any pipeline, to read its layer stack, where the setting searches stage counts. Each
+    list is in :func:`_promise` order."""
     searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
     stack = probe(trace) if searched else None
-    first = candidates(mesh, setting, stack, budget_bytes)
-    return first, candidates(mesh, setting, stack, budget_bytes, deep=True) if setting == "auto" else []
+    first = sorted(candidates(mesh, setting, stack, budget_bytes), key=_promise)
+    return first, sorted(candidates(mesh, setting, stack, budget_bytes, deep=True), key=_promise) \
+        if setting == "auto" else []
+
+
+def _promise(c: Candidate) -> tuple:
+    """The order candidates are planned in, likeliest to win first, so that the best plan so far
+    cuts the later ones short (:func:`shardplan.api.plan`): no pipeline, then the deepest
+    pipelines (the least memory a device), each with its smallest bubble first (most
+    microbatches times rounds: GPipe with many, circular, GPipe with few)."""
+    if c.config is None:
+        return (0, 0, 0)
+    return (1, -c.config.stages, -c.config.microbatches * c.config.repeats)
 
 
 def trace_for(trace, config: PipelineConfig | None, axis_names, axis_sizes):

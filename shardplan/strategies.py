@@ -141,6 +141,10 @@ class Enumerator:
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
+        # Tables priced for some options of their two nodes (:meth:`build` with ``allowed``),
+        # by (edge or dot and side, options of one node, of the other): a search by mesh axes
+        # asks for the same ones round after round.
+        self._tables: dict[tuple, np.ndarray] = {}
 
     def _required_classes(self) -> dict[int, tuple[str, ...]]:
         """The graph's sharding constraints on this mesh: each class's axes in mesh order, axes of
@@ -528,8 +532,7 @@ class Enumerator:
             else:
                 edges.add(a, b, table)
 
-        for e in g.edges:
-            a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
+        def price_edge(e) -> np.ndarray:
             if e.required is not None and e.passthrough is None and e.rewrite is None:
                 # The operand is resharded to what the op requires: the price depends only on
                 # the operand's shape and the two specs, shared by every edge that moves alike.
@@ -570,31 +573,48 @@ class Enumerator:
                 dsts, d_index = _distinct(spec_of[e.dst])
                 cells = np.array([[self.edge_seconds(e, have, d) for d in dsts] for have in haves])
                 table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
+            return table
+
+        for i, e in enumerate(g.edges):
+            a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
+            key = None if allowed[a] is None or allowed[b] is None else ("edge", i, tuple(allowed[a]), tuple(allowed[b]))
+            table = self._tables.get(key) if key else None
+            if table is None:
+                table = price_edge(e)
+                if key:
+                    self._tables[key] = table
             add_table(a, b, table)
 
         for k, dot in enumerate(g.dots):
             node = node_of_dot[k]
-            options = nodes[node].options
-            derived = [self.dot_specs(dot, o) for o in options]
-            groups = [self.partial_groups(dot, o) for o in options]
+            derived = groups = None
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
                 other = node_of_group[g.group_of(tid)]
-                # The price depends on the dot option only through what it needs of this tensor
-                # (or, for the result, what it makes): priced once per distinct pair.
-                wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
-                                            else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
-                haves, h_index = _distinct(spec_of[tid])
-                t = g.tensors[tid]
-                shape, itemsize = t.shape, t.dtype.itemsize
-                if role == "out":
-                    cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
-                    for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
-                        if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
-                            for j, have in enumerate(haves):
-                                if miscompiled_reduction(dot, prod, grp, have):
-                                    cells[i, j] += MISCOMPILED_S
-                else:
-                    cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
-                cells = dot.mult * cells
-                add_table(node, other, cells[np.ix_(w_index, h_index)])
+                key = None if allowed[node] is None or allowed[other] is None else \
+                    ("dot", k, role, tuple(allowed[node]), tuple(allowed[other]))
+                table = self._tables.get(key) if key else None
+                if table is None:
+                    if derived is None:
+                        derived = [self.dot_specs(dot, o) for o in nodes[node].options]
+                        groups = [self.partial_groups(dot, o) for o in nodes[node].options]
+                    # The price depends on the dot option only through what it needs of this tensor
+                    # (or, for the result, what it makes): priced once per distinct pair.
+                    wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
+                                                else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
+                    haves, h_index = _distinct(spec_of[tid])
+                    t = g.tensors[tid]
+                    shape, itemsize = t.shape, t.dtype.itemsize
+                    if role == "out":
+                        cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
+                        for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
+                            if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
+                                for j, have in enumerate(haves):
+                                    if miscompiled_reduction(dot, prod, grp, have):
+                                        cells[i, j] += MISCOMPILED_S
+                    else:
+                        cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
+                    table = dot.mult * cells[np.ix_(w_index, h_index)]
+                    if key:
+                        self._tables[key] = table
+                add_table(node, other, table)
         return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)
