@@ -312,12 +312,14 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
 
 def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: int) -> Row:
     """Megatron 3D (:func:`~shardplan.benchmarks.baselines.megatron_3d`): the fastest compiled
-    stage count that fits, each stage count dividing the nodes (up to 16) and the layers."""
+    stage count that fits, each stage count dividing the nodes (up to 16) and the layers; where
+    none fits, the leanest, its status listing what each stage count needed."""
     if mesh_spec.nodes == 1:
         return Row(cell.id, "megatron-3d", "n/a: one node: Megatron 3D is its tensor x data parallel (megatron-tp)")
     axes = dict(cell.axes)
     layers = ref.config.n_layers
     best, why = None, "no stage count divides the nodes, the data axis and the layers"
+    tried = []
     for stages in [s for s in range(2, 17) if mesh_spec.nodes % s == 0 and axes["data"] % s == 0 and layers % s == 0]:
         staged = with_stage_axis(mesh_spec, stages)
         inner = {a: n for a, n in zip(staged.axis_names, staged.axis_sizes) if a != "stage"}
@@ -347,11 +349,16 @@ def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: 
             used = compile_oom_bytes(e)
             why = (f"over budget: the compiler refused PP {stages}, {used / 2**30:.2f} GiB per device" if used else
                    f"compile failed at PP {stages}: {str(e).splitlines()[0][:100]}")
+            tried.append(f"PP {stages}: " + (f"{used / 2**30:.0f} GiB" if used else "compile failed"))
             continue
+        tried.append(f"PP {stages}: {row.memory_gib:.0f} GiB")
         if row.memory_gib * 2**30 > budget:
             row.status = "over budget"
-        if best is None or (row.status, row.compiled_ms) < (best.status, best.compiled_ms):
+        rank = lambda r: (r.status != "ok", r.compiled_ms if r.status == "ok" else r.memory_gib)   # noqa: E731
+        if best is None or rank(row) < rank(best):
             best = row
+    if best is not None and best.status != "ok":
+        best.status = f"over budget ({', '.join(tried)})"
     return best if best is not None else Row(cell.id, "megatron-3d", f"n/a: {why}")
 
 
