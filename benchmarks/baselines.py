@@ -131,13 +131,8 @@ def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: b
 def megatron_3d(abstract_state, batch, axes: dict[str, int], stages: int):
     """(state specs, batch specs) for Megatron 3D on ``{"stage": stages, **axes}`` (``axes``:
     ``data`` already divided by ``stages``): the ``megatron-tp`` weights with each stacked
-    layer parameter's layer dimension over ``stage``, and the batch over ``stage`` and ``data``:
-    outside the pipeline (embedding, loss) each stage takes its share of the rows, as Megatron-LM
-    runs those on one stage each, where the batch over ``data`` alone would compute them whole on
-    every stage (GPT-3 175B: 413 GiB a device at the least)."""
-    state_specs, _ = hand_plan("megatron-tp", abstract_state, batch, axes, stacked=True)
-    rows = ("stage", "data") if axes.get("data", 1) > 1 else "stage"
-    batch_specs = jax.tree.map(lambda _: P(rows), batch)
+    layer parameter's layer dimension over ``stage``."""
+    state_specs, batch_specs = hand_plan("megatron-tp", abstract_state, batch, axes, stacked=True)
 
     def staged(path, spec, x):
         if "layers" in _keys(path) and len(x.shape) >= 1 and x.shape[0] % stages == 0:
