@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardplan.models import gpt, linen_mlp, llama, resnet, vit
+from shardplan.models import gpt, linen_mlp, llama, moe, resnet, vit
 
 MODEL_CONFIGS: dict[str, Any] = {**gpt.CONFIGS, **llama.CONFIGS, **linen_mlp.CONFIGS, **resnet.CONFIGS,
-                                  **vit.CONFIGS}
+                                  **vit.CONFIGS, **moe.CONFIGS}
 _IMAGE_CONFIGS = (resnet.ResNetConfig, vit.ViTConfig)
 
 
@@ -77,7 +77,8 @@ def reference(name: str, *, scan: bool = False, optimizer: optax.GradientTransfo
         def apply(params, tokens):
             return module.apply({"params": params}, tokens)
     else:
-        ctor = {gpt.GPTConfig: gpt.GPT, llama.LlamaConfig: llama.Llama, resnet.ResNetConfig: resnet.ResNet}[type(cfg)]
+        ctor = {gpt.GPTConfig: gpt.GPT, llama.LlamaConfig: llama.Llama, resnet.ResNetConfig: resnet.ResNet,
+                moe.MoEConfig: moe.MoEDecoder}[type(cfg)]
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: ctor(cfg, rngs=nnx.Rngs(0))))
 
         def init_params(rng):
@@ -92,7 +93,10 @@ def reference(name: str, *, scan: bool = False, optimizer: optax.GradientTransfo
 
     def train_step(state, batch):
         def loss_fn(params):
-            return _loss(apply(params, batch["inputs"]), batch["targets"])
+            out = apply(params, batch["inputs"])
+            if isinstance(cfg, moe.MoEConfig):          # (logits, load-balancing loss)
+                return _loss(out[0], batch["targets"]) + cfg.aux_loss_coef * out[1]
+            return _loss(out, batch["targets"])
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
