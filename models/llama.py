@@ -37,8 +37,12 @@ def rope(x: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+class Attention(nnx.Module):
+    """The attention half of a layer (pre-norm, RoPE, grouped-query attention, residual) and the
+    norm before its MLP: what a Llama layer and an MoE layer (:mod:`shardplan.models.moe`) share.
+    ``cfg`` needs ``d_model``, ``n_heads``, ``n_kv_heads``, ``dtype`` and ``rope_theta``."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
         d, dt, hd = cfg.d_model, jnp.dtype(cfg.dtype), cfg.d_model // cfg.n_heads
         self.cfg = cfg
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
@@ -48,11 +52,9 @@ class Block(nnx.Module):
         self.wv = linear(d, cfg.n_kv_heads * hd)
         self.wo = linear(cfg.n_heads * hd, d)
         self.mlp_norm = nnx.RMSNorm(d, param_dtype=dt, dtype=dt, rngs=rngs)
-        self.w_gate = linear(d, cfg.d_ff)
-        self.w_up = linear(d, cfg.d_ff)
-        self.w_down = linear(cfg.d_ff, d)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array) -> jax.Array:
+        """``x`` [batch, seq, embed] plus its attention (the residual stream pinned by name)."""
         b, s, d = x.shape
         cfg, hd = self.cfg, d // self.cfg.n_heads
         x = constrain(x, ("batch", "seq", "embed"))     # the residual stream (sequence-parallel under Megatron-SP)
@@ -60,7 +62,20 @@ class Block(nnx.Module):
         q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
         k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
         v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
-        x = constrain(x + self.wo(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
+        return constrain(x + self.wo(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
+
+
+class Block(Attention):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
+        self.w_gate = linear(d, cfg.d_ff)
+        self.w_up = linear(d, cfg.d_ff)
+        self.w_down = linear(cfg.d_ff, d)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.attend(x)
         h = self.mlp_norm(x)
         return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
 

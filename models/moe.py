@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.models.layers import LayerStack, causal_attention, constrain
-from shardplan.models.llama import rope
+from shardplan.models.layers import LayerStack
+from shardplan.models.llama import Attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,31 +150,16 @@ class MoEMLP(nnx.Module):
         return y, balance
 
 
-class Block(nnx.Module):
+class Block(Attention):
     """Llama's attention, then the MoE MLP; carries (residual stream, load-balancing sum [batch])."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        d, dt, hd = cfg.d_model, jnp.dtype(cfg.dtype), cfg.d_model // cfg.n_heads
-        self.cfg = cfg
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=dt, dtype=dt, rngs=rngs)
-        self.attn_norm = nnx.RMSNorm(d, param_dtype=dt, dtype=dt, rngs=rngs)
-        self.wq = linear(d, cfg.n_heads * hd)
-        self.wk = linear(d, cfg.n_kv_heads * hd)
-        self.wv = linear(d, cfg.n_kv_heads * hd)
-        self.wo = linear(cfg.n_heads * hd, d)
-        self.mlp_norm = nnx.RMSNorm(d, param_dtype=dt, dtype=dt, rngs=rngs)
+        super().__init__(cfg, rngs)
         self.moe = MoEMLP(cfg, rngs)
 
     def __call__(self, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         x, balance = carry
-        b, s, d = x.shape
-        cfg, hd = self.cfg, d // self.cfg.n_heads
-        x = constrain(x, ("batch", "seq", "embed"))     # the residual stream (sequence-parallel under Megatron-SP)
-        h = self.attn_norm(x)
-        q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
-        k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
-        v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
-        x = constrain(x + self.wo(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
+        x = self.attend(x)
         y, layer_balance = self.moe(self.mlp_norm(x))
         return x + y, balance + layer_balance
 
