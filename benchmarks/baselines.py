@@ -19,6 +19,11 @@ batch, on a mesh with axes ``data`` and ``model``:
   ``model`` as its ``tensor`` axis: weights' ``embed`` dimension over ``data`` (FSDP),
   ``mlp``/``heads``/``vocab`` dimensions over ``model`` (tensor parallel), the batch over
   ``data``; norms replicated.
+- ``ep`` (mixture-of-experts models, meshes with an ``expert`` axis): MaxText's expert
+  parallelism: each MoE layer's stacked expert weights split along the expert dimension over
+  ``expert`` and along ``embed`` over ``data`` (FSDP), every other weight FSDP over ``data``
+  and ``expert`` together (its ``embed`` dimension, or its largest that divides), the batch over
+  both; XLA derives the token dispatch (all-to-all) from those.
 - ``megatron-3d`` (:func:`megatron_3d`): Megatron-LM's 3D parallelism: tensor parallel over
   ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
@@ -38,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 COLUMN = ("qkv", "fc", "wq", "wk", "wv", "w_gate", "w_up", "Dense_0", "head")
 ROW = ("proj", "out", "wo", "w_down", "Dense_1")
 BASELINES = ("dp", "fsdp", "megatron", "megatron-tp", "maxtext")
+MOE_BASELINES = ("ep",)           # for mixture-of-experts models on meshes with an ``expert`` axis
+EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")      # shardplan.models.moe's stacked experts, under ``moe``
 
 
 def _keys(path) -> list[str]:
@@ -66,6 +73,8 @@ def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[s
         return P()
     m = axes.get("model", 1)
     leaf = keys[-1]
+    if kind == "ep":
+        return _ep_spec(keys, shape, axes, lead)
     if kind == "maxtext":
         return _maxtext_spec(keys, shape, axes, lead)
     layer = next((k for k in reversed(keys[:-1]) if not k.isdigit()), "")
@@ -78,6 +87,26 @@ def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[s
         return on(rank - 1)      # kernel [in, out] and bias [out]: split out (the head: vocab-parallel)
     if layer in ROW and leaf == "kernel":
         return on(lead)                                  # kernel [in, out]: split in
+    return P()
+
+
+def _ep_spec(keys: list[str], shape: tuple[int, ...], axes: dict[str, int], lead: int) -> P:
+    """MaxText's expert parallelism: experts over ``expert``, ``embed`` over ``data`` (FSDP);
+    other weights FSDP over ``data`` and ``expert`` along their largest dimension that divides."""
+    def fits(d, names):
+        n = math.prod(axes.get(a, 1) for a in names)
+        return n > 1 and shape[d] % n == 0
+    entries: list = [None] * len(shape)
+    if "moe" in keys and keys[-1] in EXPERT_WEIGHTS and len(shape) - lead == 3:
+        e, embed = lead, (lead + 1 if keys[-1] != "wo" else lead + 2)      # [E, d, f] or [E, f, d]
+        entries[e] = "expert" if fits(e, ("expert",)) else None
+        entries[embed] = "data" if fits(embed, ("data",)) else None
+        return P(*entries)
+    both = tuple(a for a in ("data", "expert") if axes.get(a, 1) > 1)
+    for d in sorted(range(lead, len(shape)), key=lambda d: -shape[d]):
+        if both and fits(d, both):
+            entries[d] = both if len(both) > 1 else both[0]
+            return P(*entries)
     return P()
 
 
@@ -115,8 +144,8 @@ def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] |
 
 def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: bool):
     """(state specs, batch specs) pytrees for baseline ``kind``."""
-    if kind not in BASELINES:
-        raise ValueError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
+    if kind not in BASELINES + MOE_BASELINES:
+        raise ValueError(f"unknown baseline {kind!r}; choose one of {BASELINES + MOE_BASELINES}")
 
     def state_leaf(path, x):
         return _param_spec(kind, _keys(path), tuple(x.shape), axes, stacked)

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan.benchmarks.baselines import BASELINES, activation_rules, hand_plan, megatron_3d  # noqa: E402
+from shardplan.benchmarks.baselines import BASELINES, MOE_BASELINES, activation_rules, hand_plan, megatron_3d  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
 from shardplan import targets  # noqa: E402
@@ -105,6 +105,8 @@ def _cells() -> list[Cell]:
     out.append(Cell("gpt3-175b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
     out.append(Cell("llama3-70b", 1024, "a100-128x8", (("data", 128), ("model", 8)), remat="full"))
     out.append(Cell("llama3-70b", 64, "h100-8x8", (("data", 8), ("model", 8)), remat="full"))
+    # Mixture of experts: 8 experts, an axis of 8 to split them over (issue 14).
+    out.append(Cell("mixtral-8x7b", 64, "h100-8x8", (("data", 8), ("expert", 8)), remat="full"))
     out.append(Cell("gpt3-175b", 1024, "tpu-v5p-2x512", (("replica", 2), ("data", 64), ("model", 8)), remat="full"))
     return out
 
@@ -277,7 +279,9 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
     if bar:
         bar.step(f"{cell.id} shardplan")
 
-    for kind in BASELINES:
+    # Expert parallelism by hand where there are experts to split and an axis to split them over.
+    moe = "expert" in axes and any("moe" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
+    for kind in BASELINES + (MOE_BASELINES if moe else ()):
         figures, run, flat = baseline(kind)
         if not isinstance(figures, dict):
             rows.append(Row(cell.id, kind, figures))
