@@ -22,8 +22,9 @@ batch, on a mesh with axes ``data`` and ``model``:
 - ``ep`` (mixture-of-experts models, meshes with an ``expert`` axis): MaxText's expert
   parallelism: each MoE layer's stacked expert weights split along the expert dimension over
   ``expert`` and along ``embed`` over ``data`` (FSDP), every other weight FSDP over ``data``
-  and ``expert`` together (its ``embed`` dimension, or its largest that divides), the batch over
-  both; XLA derives the token dispatch (all-to-all) from those.
+  and ``expert`` together (its largest dimension that divides), the batch over both, and the
+  tokens in expert slots over ``data`` with the experts over ``expert`` (:func:`activation_rules`:
+  the move between the two is XLA's all-to-all).
 - ``megatron-3d`` (:func:`megatron_3d`): Megatron-LM's 3D parallelism: tensor parallel over
   ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
@@ -136,6 +137,12 @@ def _maxtext_spec(keys: list[str], shape: tuple[int, ...], axes: dict[str, int],
 
 def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] | None:
     """Logical activation name -> mesh axis for baseline ``kind`` (``None``: left to XLA)."""
+    if kind == "ep":
+        # MaxText's expert parallelism: tokens over both axes, in expert slots over data with
+        # the experts over ``expert`` (the dispatch between the two is XLA's all-to-all).
+        rows = tuple(a for a in ("data", "expert") if axes.get(a, 1) > 1)
+        return {"batch": rows or None, "exp_batch": "data" if axes.get("data", 1) > 1 else None,
+                "exp": "expert" if axes.get("expert", 1) > 1 else None}
     if kind != "megatron":
         return None
     return {"batch": "data" if axes.get("data", 1) > 1 else None,

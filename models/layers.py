@@ -35,12 +35,14 @@ def activation_sharding(mesh: jax.sharding.Mesh, rules: dict[str, str | tuple[st
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """Pin ``x`` (dimensions named ``names``, e.g. ("batch", "seq", "embed")) if rules are set."""
+    """Pin ``x`` (dimensions named ``names``, e.g. ("batch", "seq", "embed")) if rules are set; a
+    name the rules do not mention is left to XLA (``None`` in the rules: replicated)."""
     active = _ACTIVATION_RULES.get()
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*(rules.get(n) for n in names))))
+    spec = PartitionSpec(*(rules.get(n, PartitionSpec.UNCONSTRAINED) for n in names))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 # Activation recomputation (rematerialisation) of each layer: what the forward pass keeps for the

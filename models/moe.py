@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardplan.models.layers import LayerStack
+from shardplan.models.layers import LayerStack, constrain
 from shardplan.models.llama import Attention
 
 
@@ -140,10 +140,13 @@ class MoEMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The MoE output for ``x`` [batch, seq, embed] and the load-balancing loss per sequence."""
         dispatch, combine, balance = self.route(x)
-        xe = jnp.einsum("bsd,bsec->becd", x, dispatch.astype(x.dtype))       # tokens in expert slots
+        # Tokens in expert slots, named for a hand plan's rules (expert parallelism: experts over
+        # one mesh axis, the rows over another; the move from the rows' split is the all-to-all).
+        slots = ("exp_batch", "exp", "capacity", "embed")
+        xe = constrain(jnp.einsum("bsd,bsec->becd", x, dispatch.astype(x.dtype)), slots)
         h = jax.nn.silu(jnp.einsum("becd,edf->becf", xe, self.wi_0[...])) * \
             jnp.einsum("becd,edf->becf", xe, self.wi_1[...])
-        ye = jnp.einsum("becf,efd->becd", h, self.wo[...])
+        ye = constrain(jnp.einsum("becf,efd->becd", h, self.wo[...]), slots)
         y = jnp.einsum("becd,bsec->bsd", ye, combine.astype(x.dtype))
         if self.shared is not None:
             y = y + self.shared(x)
