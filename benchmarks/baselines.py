@@ -30,8 +30,10 @@ batch, on a mesh with axes ``data`` and ``model``:
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
   parallel over the rest, run as shardplan's SPMD pipeline (:mod:`shardplan.pipeline`) with
   microbatches of one sequence per data-parallel rank as in the Megatron paper. Its interleaved
-  schedule is the circular one with 2 rounds where the layers split that way. The harness
-  tries each stage count that divides the nodes and the layers and keeps the fastest that fits.
+  schedule is the circular one with 2 rounds where the layers split that way; each data rank
+  keeps its copy of its stage's weights and their gradients are summed once a step
+  (``replicas``). The harness tries each stage count that divides the nodes and the layers and
+  keeps the fastest that fits (where none fits, the leanest, with what each needed).
 """
 
 from __future__ import annotations
@@ -136,11 +138,13 @@ def _maxtext_spec(keys: list[str], shape: tuple[int, ...], axes: dict[str, int],
 
 
 def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] | None:
-    """Logical activation name -> mesh axis for baseline ``kind`` (``None``: left to XLA)."""
+    """Logical activation name -> mesh axes for baseline ``kind`` (``None``: replicated; a name
+    the rules do not mention is left to XLA); ``None`` where the baseline pins no activation."""
     if kind == "ep":
-        # MaxText's expert parallelism: tokens over both axes, in expert slots over data with
-        # the experts over ``expert`` (the dispatch between the two is XLA's all-to-all).
-        rows = tuple(a for a in ("data", "expert") if axes.get(a, 1) > 1)
+        # MaxText's expert parallelism: tokens over every axis (as the batch, :func:`hand_plan`),
+        # in expert slots over data with the experts over ``expert`` (the dispatch between the
+        # two is XLA's all-to-all).
+        rows = tuple(a for a, n in axes.items() if n > 1)
         return {"batch": rows or None, "exp_batch": "data" if axes.get("data", 1) > 1 else None,
                 "exp": "expert" if axes.get("expert", 1) > 1 else None}
     if kind != "megatron":

@@ -131,7 +131,7 @@ class Row:
     cpu_step_ms: float = float("nan")     # measured on 8 fake CPU devices (tiny cells)
     budget_gib: float = float("nan")      # the cell's memory budget per device
     compiler: str = ""                    # which compiler compiled the cell's plans
-    choice: str = ""                      # the planner's pipeline, where it chose one
+    choice: str = ""                      # the planner's pipeline; what Megatron 3D needed where it fits nowhere
 
     @property
     def comm_ms(self) -> float:
@@ -257,12 +257,11 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
         start = time.perf_counter()
         f.make_plan(state, batch)     # trace, build the graph, solve (and on a target, the compiled-budget loop)
         solve_s = time.perf_counter() - start
-        if target == "cpu":
-            compiled = f.lower(state, batch).compile()
-        else:
-            compiled, _, _ = f.compile_for(target, state, batch)       # the loop's last compile
+        # Compiled (on a target: the loop's last compile) and priced on the mesh the plan was made
+        # for and laid out on: with a pipeline, the cell's mesh with a stage axis split off.
+        compiled, laid, _ = f.compile_for(target, state, batch)
         row = Row(cell.id, "shardplan", predicted_ms=f.plan.cost.step_s * 1e3,
-                  solve_s=solve_s, **price_compiled(compiled, mesh_spec, jax_mesh))
+                  solve_s=solve_s, **price_compiled(compiled, f.plan.mesh_spec or mesh_spec, laid))
         pc = f.plan.pipeline_config()
         if pc is not None:
             row.choice = f"PP {pc.stages}, {pc.microbatches} microbatches, {pc.schedule.value}" + \
@@ -353,16 +352,16 @@ def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: 
             used = compile_oom_bytes(e)
             why = (f"over budget: the compiler refused PP {stages}, {used / 2**30:.2f} GiB per device" if used else
                    f"compile failed at PP {stages}: {str(e).splitlines()[0][:100]}")
-            tried.append(f"PP {stages}: " + (f"{used / 2**30:.0f} GiB" if used else "compile failed"))
+            tried.append(f"PP {stages} " + (f"{used / 2**30:.0f} GiB" if used else "compile failed"))
             continue
-        tried.append(f"PP {stages}: {row.memory_gib:.0f} GiB")
+        tried.append(f"PP {stages} {row.memory_gib:.0f} GiB")
         if row.memory_gib * 2**30 > budget:
             row.status = "over budget"
         rank = lambda r: (r.status != "ok", r.compiled_ms if r.status == "ok" else r.memory_gib)   # noqa: E731
         if best is None or rank(row) < rank(best):
             best = row
     if best is not None and best.status != "ok":
-        best.status = f"over budget ({', '.join(tried)})"
+        best.choice = "needs " + ", ".join(tried)
     return best if best is not None else Row(cell.id, "megatron-3d", f"n/a: {why}")
 
 

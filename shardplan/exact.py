@@ -103,9 +103,10 @@ def lagrangian_start(problem: Problem, budget_bytes: float, *, iters: int = 8,
 
     It starts CP-SAT (:func:`~shardplan.solver.solve`) near the budgeted optimum: CP-SAT's LP
     bound proves such a plan within the gap in seconds, where from an over-budget start its
-    local search can take much longer to find one (a GPT-3-shaped step with einsum attention:
-    33 s, now 8). Tied layers make memory move in large steps, so the bound of this relaxation
-    itself is weak (5% there) and is not used."""
+    local search can take much longer to find one (``benchmarks/user_gpt3.py``, GPT-3 175B
+    with einsum attention on 1024 devices: 16.0 s to plan, now 5.4). Tied layers make memory
+    move in large steps, so the bound of this relaxation itself is weak (5% there) and is not
+    used."""
     if not problem.base_memory.size or _order(problem, max_entries) is None:
         return None
     memory = [n.memory.astype(float) for n in problem.nodes]
@@ -121,8 +122,9 @@ def lagrangian_start(problem: Problem, budget_bytes: float, *, iters: int = 8,
     over = peaks(choice) > budget_bytes
     if not over.any():
         return choice
-    # Where a second costs as much as the plan's bytes: the right order for lam.
-    lam = total_cost(problem, choice) / max(float(peaks(choice).max()), 1.0) / 16
+    # Where a second costs as much as the plan's bytes: the right order for lam (a floor where
+    # the plan costs nothing).
+    lam = max(total_cost(problem, choice), 1e-9) / max(float(peaks(choice).max()), 1.0) / 16
     low, high, best = 0.0, None, None
     for _ in range(iters):
         choice = optimum(lam * over / over.sum())
@@ -135,7 +137,7 @@ def lagrangian_start(problem: Problem, budget_bytes: float, *, iters: int = 8,
         else:
             over |= ~fits
             low = lam
-        if high is not None and high <= 1.25 * low:       # CP-SAT polishes from here
+        if high is not None and high <= 1.25 * low:       # close enough: a start, not an optimum
             break
         lam = 4 * lam if high is None else (math.sqrt(low * high) if low else high / 4)
     return best[1] if best else None
@@ -218,9 +220,11 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
     round the axes until none improves; then the same with two axes at a time where the step
     stays small, back to single axes after any pair that improves. Without a budget a step is
     solved by elimination (pairs while its tables stay under ``pair_entries`` cells); under
-    ``budget_bytes`` (``start`` must fit it) by CP-SAT within ``time_limit``, while the step's
-    tables stay under ``max_cells``. Each step can only lower the cost and keeps the plan within
-    the budget; ``bound`` (weak, from the caller) is reported as the lower bound.
+    ``budget_bytes`` (``start`` must fit it), where that optimum does not fit, by pricing memory
+    into the elimination (:func:`lagrangian_start`: a good plan within the budget, not always
+    the step's best), else by CP-SAT within ``time_limit`` while the step's tables stay under
+    ``max_cells``. Each step can only lower the cost and keeps the plan within the budget;
+    ``bound`` (weak, from the caller) is reported as the lower bound.
     """
     began = time.perf_counter()
     placements = [[_placement(o) for o in node] for node in options]
@@ -244,7 +248,7 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
             # The step's optimum without the budget, where it fits, is its optimum under it too.
             hint = [ok.index(c) for ok, c in zip(allowed, choice)]
             sub_choice = _solve_budgeted(sub, hint, budget_bytes, time_limit=time_limit, relative_gap=relative_gap,
-                                         tie_layers=tie_layers, max_cells=max_cells)
+                                         tie_layers=tie_layers, max_cells=max_cells, max_entries=max_entries)
         if sub_choice is None:
             return None
         return [allowed[n][c] for n, c in enumerate(sub_choice)], total_cost(sub, sub_choice)

@@ -21,7 +21,7 @@ from shardplan.progress import Status
 from shardplan.rules import apply_rule
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.sizes import format_bytes
-from shardplan.solver import SolverStats, greedy, peak_memory, solve, total_cost
+from shardplan.solver import Solution, SolverStats, greedy, peak_memory, solve, total_cost
 from shardplan.strategies import Enumerator
 from shardplan.targets import compiler_kind
 from shardplan.tying import tie, untie
@@ -166,6 +166,12 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum):
             start = lagrangian_start(bounded, budget_bytes)
             sol = solve(bounded, budget_bytes=budget_bytes, time_limit=options.time_limit,
                         relative_gap=options.relative_gap, hint=start, status_line=line)
+            if sol is None and start is not None and peak_memory(bounded, start) <= budget_bytes:
+                # CP-SAT found nothing in time (or its memory units, rounded, put the start just
+                # over): the start fits, so it is the plan, its bound unknown.
+                cost = total_cost(bounded, start)
+                sol = Solution(start, SolverStats("FEASIBLE_PRICED", cost, 0.0, 1.0, 0.0, len(bounded.nodes), 0),
+                               peak_memory(bounded, start))
         if sol is None:
             line.say("solving for the leanest plan")
             lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
