@@ -23,6 +23,7 @@ from shardplan.sizes import format_bytes
 
 TRIES = 4            # plans compiled at most (the first included)
 _MARGIN = 0.99       # aim a little under the budget: the compiled size is not linear in it
+_LEANEST_SLACK = 1.001  # the leanest plan's predicted bytes, as a budget: room for their rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +61,20 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
     attempts: list[Attempt] = []
     compiled_before: dict[Any, float] = {}
     planned_under = budget
+    leanest_tried = False
     for _ in range(tries):
         try:
             made = plan_for(planned_under)
         except InfeasibleBudgetError as e:
             if not attempts:
                 raise
+            least = e.min_feasible_bytes
+            if least and not leanest_tried and least < attempts[-1].budget_bytes:
+                # Tightened past every plan: the leanest plan is the last one worth compiling.
+                leanest_tried, planned_under = True, int(least * _LEANEST_SLACK)
+                continue
             raise _too_big(budget, attempts, f"no plan fits the tightened budget {format_bytes(planned_under)} "
-                                             f"({e.min_feasible_bytes and format_bytes(e.min_feasible_bytes)} "
-                                             "predicted at least)") from e
+                                             f"({least and format_bytes(least)} predicted at least)") from e
         key = identity(made) if identity is not None else None
         if key is not None and key in compiled_before:
             used = compiled_before[key]            # the same plan again: over budget, as before

@@ -52,6 +52,15 @@ def test_the_loop_plans_again_under_a_tighter_budget_until_the_program_fits():
     # 1000 -> 950 (compiles to 1900); 495 -> 950 again (not compiled); 257 -> 249.29 (498.6, fits)
     assert [a.budget_bytes for a in attempts] == [1000, 495, 257]
     assert compiles == [950.0, 0.97 * 257] and made == 0.97 * 257
+    # Tightened past every plan (none predicted under 900): the leanest plan is compiled before
+    # giving up, and here it fits (a lean plan's program is no bigger than predicted).
+    def lean_or_none(b):
+        if b < 900:
+            raise InfeasibleBudgetError("no plan fits", budget_bytes=b, min_feasible_bytes=900, largest_tensors=[])
+        return 900.0 if b < 950 else 0.97 * b
+    made, _, attempts = fit_compiled(lean_or_none, lambda p: (p, Program(p if p == 900.0 else 1.2 * p)), 1000,
+                                     lambda p: p)
+    assert [a.budget_bytes for a in attempts] == [1000, int(900 * 1.001)] and made == 900.0
     # A compiler that refuses a program over the device's memory (libtpu) counts as over budget.
     from shardplan.fit import compile_oom_bytes
 
