@@ -262,10 +262,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
         compiled, laid, _ = f.compile_for(target, state, batch)
         row = Row(cell.id, "shardplan", predicted_ms=f.plan.cost.step_s * 1e3,
                   solve_s=solve_s, **price_compiled(compiled, f.plan.mesh_spec or mesh_spec, laid))
-        pc = f.plan.pipeline_config()
-        if pc is not None:
-            row.choice = f"PP {pc.stages}, {pc.microbatches} microbatches, {pc.schedule.value}" + \
-                (f" x{pc.repeats}" if pc.repeats > 1 else "") + (f", {pc.replicas} row groups" if pc.replicas > 1 else "")
+        if f.plan.pipeline is not None:
+            row.choice = f.plan.pipeline_config().describe()
         if row.memory_gib * 2**30 > budget:
             row.status = "over budget"       # predicted to fit, compiled bigger: shown, never hidden
         if cell.execute:

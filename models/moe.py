@@ -70,6 +70,16 @@ class MoEConfig:
     remat: str = "none"               # activation recomputation per layer: shardplan.models.layers.REMAT_POLICIES
     rope_theta: float = 1000000.0
 
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k}: a token is routed to 1 to n_experts={self.n_experts} experts; "
+                             f"give top_k between 1 and {self.n_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r}: give a positive factor (1.25 is usual), "
+                             "or None for dropless routing")
+        if self.shared_experts < 0:
+            raise ValueError(f"shared_experts={self.shared_experts}: give 0 or more")
+
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> int:
     """Tokens one expert takes from a group of ``tokens``: ``ceil(cf * tokens * top_k / experts)``,

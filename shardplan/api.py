@@ -24,8 +24,7 @@ from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.fit import fit_compiled
 from shardplan.hardware import runs_on, spec_for_mesh
 from shardplan.mesh import MeshSpec, load_mesh, make_jax_mesh
-from shardplan.plan import Plan
-from shardplan.plan import signature as plan_signature
+from shardplan.plan import Plan, signature as plan_signature
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status
 from shardplan.rules import apply_rule
@@ -145,9 +144,8 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                 line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
         try:
             if remat != "auto":
-                # Cut short where the candidate's plan without the budget is no faster than the best so far.
                 got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
-                found = [] if got is None else [got[:2]]
+                found = [] if got is None else [got[:2]]      # None: no faster than the best so far
             else:
                 made = {}
 

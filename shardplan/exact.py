@@ -25,7 +25,7 @@ import numpy as np
 
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.solver import Solution, SolverStats, peak_memory, solve, total_cost
-from shardplan.strategies import Problem
+from shardplan.problem import Problem
 from shardplan.tying import tie, untie
 
 

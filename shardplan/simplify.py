@@ -1,4 +1,4 @@
-"""Exact simplification of a :class:`~shardplan.strategies.Problem` before the ILP.
+"""Exact simplification of a :class:`~shardplan.problem.Problem` before the ILP.
 
 A node that holds no memory at any checkpoint and touches at most two other nodes can be
 eliminated without changing the optimum (variable elimination, as in dynamic programming over
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.strategies import EdgeTables, Problem
+from shardplan.problem import EdgeTables, Problem
 
 
 @dataclasses.dataclass

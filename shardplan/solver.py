@@ -16,7 +16,7 @@ import time
 import numpy as np
 from ortools.sat.python import cp_model
 
-from shardplan.strategies import Problem
+from shardplan.problem import Problem
 
 TIME_UNIT = 1e-10   # seconds per objective unit: 0.1 ns keeps microsecond costs distinct
 

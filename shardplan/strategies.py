@@ -9,6 +9,7 @@ of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 import itertools
 import math
@@ -19,74 +20,11 @@ import numpy as np
 from shardplan.cost import REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
+from shardplan.problem import EdgeTables, Node, Problem
 from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
 
 
-@dataclasses.dataclass
-class Node:
-    """One decision: a group of tensors (``kind='group'``) or a dot (``kind='dot'``)."""
-
-    kind: str
-    key: int                       # group root tensor id, or index into graph.dots
-    options: list[tuple]           # group: per option, class -> axes; dot: per option, axes per dot dim
-    cost: np.ndarray               # seconds per option (compute, and collectives inside the node)
-    memory: np.ndarray             # [points, options] bytes per device of live tensors
-    label: str = ""
-    signature: int = 0             # equal for nodes of repeated layers (same shapes, ops and options)
-
-
 _LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
-
-
-class EdgeTables(dict):
-    """The cost tables between pairs of nodes: ``{(a, b): [options of a, options of b]}`` seconds,
-    each pair once with ``a < b``. Read and write them through these methods, in either
-    orientation; the convention lives here only."""
-
-    def table(self, a: int, b: int) -> np.ndarray:
-        """``[options of a, options of b]``."""
-        return self[(a, b)] if a < b else self[(b, a)].T
-
-    def add(self, a: int, b: int, table: np.ndarray) -> None:
-        """Add ``table`` (``[options of a, options of b]``, ``a != b``) to the pair's table."""
-        if a < b:
-            self[(a, b)] = self.get((a, b), 0) + table
-        else:
-            self[(b, a)] = self.get((b, a), 0) + table.T
-
-    def drop(self, a: int, b: int) -> np.ndarray | None:
-        """Remove the pair's table; returns it as ``[options of a, options of b]`` (``None`` if absent)."""
-        t = self.pop((min(a, b), max(a, b)), None)
-        return t if t is None or a < b else t.T
-
-    def keep_options(self, n: int, keep: np.ndarray, neighbours) -> None:
-        """Keep only options ``keep`` of node ``n`` in its tables with ``neighbours``."""
-        for m in neighbours:
-            if n < m:
-                self[(n, m)] = self[(n, m)][keep, :]
-            else:
-                self[(m, n)] = self[(m, n)][:, keep]
-
-    def neighbours(self, num_nodes: int) -> dict[int, list[int]]:
-        """Node -> the nodes it shares a table with."""
-        adj: dict[int, list[int]] = {i: [] for i in range(num_nodes)}
-        for a, b in self:
-            adj[a].append(b)
-            adj[b].append(a)
-        return adj
-
-
-@dataclasses.dataclass
-class Problem:
-    nodes: list[Node]
-    edges: EdgeTables                           # (node a, node b) -> [options a, options b] seconds
-    base_memory: np.ndarray                     # [points] bytes that no option changes
-    node_of_group: dict[int, int]
-    node_of_dot: dict[int, int]
-
-    def __post_init__(self):
-        if not isinstance(self.edges, EdgeTables):
-            self.edges = EdgeTables(self.edges)
 
 
 def hbm_traffic(graph: Graph) -> dict[int, int]:
@@ -575,46 +513,46 @@ class Enumerator:
                 table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
             return table
 
+        def kept(key, a: int, b: int, price: Callable[[], np.ndarray]) -> np.ndarray:
+            """``price()``, or the table priced before for these options of nodes ``a`` and ``b``."""
+            if allowed[a] is None or allowed[b] is None:
+                return price()
+            key += (tuple(allowed[a]), tuple(allowed[b]))
+            if key not in self._tables:
+                self._tables[key] = price()
+            return self._tables[key]
+
         for i, e in enumerate(g.edges):
             a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
-            key = None if allowed[a] is None or allowed[b] is None else ("edge", i, tuple(allowed[a]), tuple(allowed[b]))
-            table = self._tables.get(key) if key else None
-            if table is None:
-                table = price_edge(e)
-                if key:
-                    self._tables[key] = table
-            add_table(a, b, table)
+            add_table(a, b, kept(("edge", i), a, b, lambda e=e: price_edge(e)))
+
+        def price_dot(dot, role: str, tid: int, derived, groups) -> np.ndarray:
+            # The price depends on the dot option only through what it needs of this tensor
+            # (or, for the result, what it makes): priced once per distinct pair.
+            wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
+                                        else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
+            haves, h_index = _distinct(spec_of[tid])
+            t = g.tensors[tid]
+            shape, itemsize = t.shape, t.dtype.itemsize
+            if role == "out":
+                cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
+                for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
+                    if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
+                        for j, have in enumerate(haves):
+                            if miscompiled_reduction(dot, prod, grp, have):
+                                cells[i, j] += MISCOMPILED_S
+            else:
+                cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
+            return dot.mult * cells[np.ix_(w_index, h_index)]
 
         for k, dot in enumerate(g.dots):
             node = node_of_dot[k]
-            derived = groups = None
+            options = nodes[node].options
+            specs = functools.cache(lambda options=options: ([self.dot_specs(dot, o) for o in options],
+                                                             [self.partial_groups(dot, o) for o in options]))
             for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
                 other = node_of_group[g.group_of(tid)]
-                key = None if allowed[node] is None or allowed[other] is None else \
-                    ("dot", k, role, tuple(allowed[node]), tuple(allowed[other]))
-                table = self._tables.get(key) if key else None
-                if table is None:
-                    if derived is None:
-                        derived = [self.dot_specs(dot, o) for o in nodes[node].options]
-                        groups = [self.partial_groups(dot, o) for o in nodes[node].options]
-                    # The price depends on the dot option only through what it needs of this tensor
-                    # (or, for the result, what it makes): priced once per distinct pair.
-                    wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
-                                                else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
-                    haves, h_index = _distinct(spec_of[tid])
-                    t = g.tensors[tid]
-                    shape, itemsize = t.shape, t.dtype.itemsize
-                    if role == "out":
-                        cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
-                        for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
-                            if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
-                                for j, have in enumerate(haves):
-                                    if miscompiled_reduction(dot, prod, grp, have):
-                                        cells[i, j] += MISCOMPILED_S
-                    else:
-                        cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
-                    table = dot.mult * cells[np.ix_(w_index, h_index)]
-                    if key:
-                        self._tables[key] = table
-                add_table(node, other, table)
+                add_table(node, other, kept(("dot", k, role), node, other,
+                                            lambda dot=dot, role=role, tid=tid, specs=specs:
+                                            price_dot(dot, role, tid, *specs())))
         return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)

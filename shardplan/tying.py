@@ -1,7 +1,7 @@
 """Repeated layers solved once: nodes with the same signature share one choice.
 
 Unrolled layers give nodes that agree in shapes, ops, source lines and options (their
-:attr:`~shardplan.strategies.Node.signature`). Tying them makes one node of each class: costs
+:attr:`~shardplan.problem.Node.signature`). Tying them makes one node of each class: costs
 and memory add up, and the edges between two classes add up too, since every member pair
 chooses the same options. The tied problem is about the size of one layer, and its optimum is
 the best plan in which every repeated layer is sharded alike.
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from shardplan.strategies import EdgeTables, Problem
+from shardplan.problem import EdgeTables, Problem
 
 
 @dataclasses.dataclass

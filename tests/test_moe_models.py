@@ -181,3 +181,14 @@ def test_planned_mixtral_tiny_matches_the_plain_step(axes, capfd):
     assert not planned.plan.warnings
     assert FALLBACK not in capfd.readouterr().err
 
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(top_k=9), r"top_k=9: .*between 1 and 8"),
+    (dict(top_k=0), r"top_k=0"),
+    (dict(capacity_factor=0.0), r"capacity_factor=0.0: give a positive factor"),
+    (dict(shared_experts=-1), r"shared_experts=-1"),
+])
+def test_bad_moe_configs_are_refused_naming_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(moe.CONFIGS["mixtral-tiny"], **bad)

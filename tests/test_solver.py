@@ -10,7 +10,7 @@ import shardplan
 from shardplan.models.train import reference
 from shardplan.simplify import expand, simplify
 from shardplan.solver import peak_memory, solve, total_cost
-from shardplan.strategies import Node, Problem
+from shardplan.problem import Node, Problem
 from shardplan.tying import tie, untie
 
 
