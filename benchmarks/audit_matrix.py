@@ -24,7 +24,6 @@ import jax  # noqa: E402
 
 import shardplan  # noqa: E402
 from shardplan import targets  # noqa: E402
-from shardplan.audit import audit  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
 from shardplan.sizes import format_bytes  # noqa: E402
 
@@ -51,8 +50,7 @@ def main() -> None:
             f = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), time_limit=args.time_limit)
             f.make_plan(state, batch)
             target = targets.resolve(args.target, mesh)
-            compiled, jax_mesh, compiler = f.compile_for(target, state, batch)
-            a = audit(f.plan, compiled, mesh, jax_mesh, platform=target, compiler=compiler)
+            a = f.audit_for(target, state, batch)
             p, c = a.comm_bytes
             ok = abs(a.comm_error()) <= 0.05 and abs(a.memory_error()) <= 0.10
             print(f"| {name} | {preset} {tuple(axes.values())} | {target} | {format_bytes(p)} | {format_bytes(c)} | "

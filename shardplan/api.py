@@ -472,6 +472,26 @@ class AutoFunction:
             c.compiled_for[target] = _compile_for_target(c, spec, target, abstract, self.jit_kwargs)
         return c.compiled_for[target]
 
+    def audit_for(self, target: str, *args, **kwargs):
+        """The plan for these arguments held against its program compiled for ``target`` (as
+        :meth:`compile_for`): an :class:`shardplan.audit.Audit`. On a TPU target the memory is
+        read from a second compile that counts HBM alone (:data:`shardplan.targets.HBM_ONLY_OPTIONS`).
+
+        >>> print(step.audit_for("auto", state, batch).table())         # doctest: +SKIP
+        """
+        from shardplan import targets
+        from shardplan.audit import audit
+        compiled, jax_mesh, compiler = self.compile_for(target, *args, **kwargs)
+        c = self._compiled(args, kwargs)
+        spec = c.plan.mesh_spec or self.mesh_spec
+        resolved = targets.resolve(target, spec) if spec is not None else "cpu"
+        memory = None
+        if resolved in targets.HBM_ONLY_OPTIONS:
+            memory, _, _ = _compile_for_target(c, spec, resolved, self._abstract(c, args, kwargs), self.jit_kwargs,
+                                               targets.HBM_ONLY_OPTIONS[resolved])
+            compiler += "; memory with VMEM placement off (HBM alone)"
+        return audit(c.plan, compiled, spec, jax_mesh, platform=resolved, compiler=compiler, memory_compiled=memory)
+
     @property
     def fit_attempts(self) -> list:
         """The compiled-budget loop's attempts for the last traced signature
@@ -482,15 +502,17 @@ class AutoFunction:
         return list(self._last.fit_attempts)
 
 
-def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: list, jit_kwargs: dict):
+def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: list, jit_kwargs: dict,
+                        options: dict | None = None):
     """``(compiled, jax_mesh, compiler)``: ``c``'s plan compiled by ``target``'s compiler over
-    compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.targets`); never run."""
+    compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.targets`); never run.
+    ``options``: XLA compile options (:data:`shardplan.targets.HBM_ONLY_OPTIONS`)."""
     from shardplan import targets
     mesh, compiler = targets.target_mesh(spec, target)
     other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
     with Status() as line:
         line.say(f"compiling the planned step for {compiler}")
-        compiled = other.jitted.lower(*abstract).compile()
+        compiled = other.jitted.lower(*abstract).compile(compiler_options=options)
         line.done(f"compiled for {compiler}")
     return compiled, mesh, compiler
 

@@ -143,9 +143,10 @@ def price_collectives(comms, model: CostModel) -> tuple[dict[str, float], dict[s
 
 
 def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None = None,
-          compiler: str | None = None) -> Audit:
+          compiler: str | None = None, memory_compiled=None) -> Audit:
     """Compare ``plan`` with ``compiled`` (a ``jax.stages.Compiled``), pricing both on ``mesh``;
-    ``compiler`` names what compiled it (the table says so)."""
+    ``compiler`` names what compiled it (the table says so); ``memory_compiled``: the same
+    program compiled to count device memory alone, read for the memory row where given."""
     jax_mesh = jax_mesh if jax_mesh is not None else plan.jax_mesh()
     if platform is None:
         platform = jax_mesh.devices.flat[0].platform
@@ -166,8 +167,9 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
     by_axis = tuple(AuditRow(a, cost.comm_bytes_by_axis.get(a, 0.0), bytes_a[a], cost.comm_s_by_axis.get(a, 0.0),
                              secs_a[a])
                     for a in mesh.axis_names)
-    memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(compiled), 0.0, 0.0)
-    notes = ([f"compiled by {compiler}"] if compiler else []) + [_heap_note(cost, compiled, mesh.device.heap_overhead)]
+    held = compiled if memory_compiled is None else memory_compiled
+    memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(held), 0.0, 0.0)
+    notes = ([f"compiled by {compiler}"] if compiler else []) + [_heap_note(cost, held, mesh.device.heap_overhead)]
     if platform == "cpu":
         read = [c for c in comms if c.emitted]
         if read:

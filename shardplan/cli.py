@@ -251,11 +251,9 @@ def _cmd_audit(args) -> int:
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
                        time_limit=args.time_limit)
-    from shardplan.audit import audit
     with _interruptible():
         f.make_plan(state, batch)
-        compiled, jax_mesh, compiler = f.compile_for(target, state, batch)
-        report = audit(f.plan, compiled, mesh, jax_mesh, platform=target, compiler=compiler)
+        report = f.audit_for(target, state, batch)
     print(report.table())
     return 1 if report.divergences() else 0
 

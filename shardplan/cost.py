@@ -20,6 +20,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec
 
+from shardplan.layout import tiled, tpu_bytes
 from shardplan.mesh import MeshSpec
 
 Spec = tuple[tuple[str, ...], ...]
@@ -151,6 +152,7 @@ class CostModel:
         self.mesh = mesh
         self._sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self._links = {a.name: a.link for a in mesh.axes}
+        self.tiled = tiled(mesh.device.name)           # a TPU: arrays in tiles (shardplan.layout)
         # The planner asks the same questions of many tensors of one shape: answers are memoised
         # per instance (a method-level cache would keep every model alive for good).
         self._memo: dict[tuple, Any] = {}
@@ -177,6 +179,14 @@ class CostModel:
         for size, axes in zip(shape, spec):
             n *= math.ceil(size / self.shards(axes)) if axes else size
         return float(n)
+
+    def memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
+        """Bytes one device's memory holds for its shard: :meth:`per_device_bytes`, laid out in
+        tiles on a TPU (:mod:`shardplan.layout`). Collectives move the unpadded bytes."""
+        if not self.tiled:
+            return self.per_device_bytes(shape, itemsize, spec)
+        local = [math.ceil(size / self.shards(axes)) if axes else size for size, axes in zip(shape, spec)]
+        return float(tpu_bytes(local, itemsize))
 
     # -- collectives --------------------------------------------------------------------------
     def _levels(self, axes: Sequence[str]) -> list[tuple[int, float, float]]:

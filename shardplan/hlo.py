@@ -116,13 +116,12 @@ def replica_groups(text: str, num_devices: int) -> list[list[int]]:
 
 
 def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
-    """Mesh axes along which the devices of one group differ."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    if not set(group) <= set(ids.flat):
-        # Groups name logical devices, positions in the program's device assignment (the mesh's
-        # devices in order), where device ids are not 0..n-1 (TPU multislice: 100000 + ...).
-        ids = np.arange(ids.size).reshape(ids.shape)
-    coords = [np.argwhere(ids == d)[0] for d in group]
+    """Mesh axes along which the devices of one group differ. Groups name logical devices:
+    positions in the program's device assignment (the mesh's devices in order), not device ids.
+    The two differ where a mesh orders its devices otherwise than by id: always on a TPU
+    topology (the v5e's ids follow its physical torus: the first mesh row is ids 0, 1, 16, 17,
+    2, ...), and on any mesh built from a permuted device list."""
+    coords = [np.unravel_index(d, mesh.devices.shape) for d in group]
     return tuple(name for k, name in enumerate(mesh.axis_names) if len({int(c[k]) for c in coords}) > 1)
 
 
@@ -369,6 +368,17 @@ def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int,
     return True
 
 
+_SPLIT_CALL = re.compile(r"%async-collective-(?:start|done)[\w.\-]* = .* fusion\(.*calls=%?([\w.\-]+)")
+
+
+def _split_collective_bodies(hlo_text: str) -> set[str]:
+    """Computations holding a piece of one collective that libtpu runs asynchronously: it fuses
+    the collective's start, each continuation (a chunk overlapped with some compute) and its done
+    into their own fusions, every one with a copy of the collective (the same ``channel_id``)."""
+    names = set(re.findall(r"^%?(async_collective_fusion[\w.\-]*) ", hlo_text, re.MULTILINE))
+    return names | set(_SPLIT_CALL.findall(hlo_text))
+
+
 def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) -> list[Collective]:
     """Every collective of a compiled module, with its trip-count multiplicity.
 
@@ -380,12 +390,20 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
     bodies, mult = _computations(hlo_text)
     out = []
     n = int(np.prod(mesh.devices.shape))
+    split = _split_collective_bodies(hlo_text)
+    seen: set[tuple[str, str]] = set()
     for comp, lines in _real(bodies):
         for line in lines[1:]:
             m = _INSTR.match(line)
             if not m:
                 continue
             name, result, kind, start, rest = m.groups()
+            if comp in split:
+                channel = re.search(r"channel_id=(\d+)", rest)
+                if channel:
+                    if (kind, channel.group(1)) in seen:
+                        continue
+                    seen.add((kind, channel.group(1)))
             groups = replica_groups(rest, n)
             if kind == COLLECTIVE_PERMUTE:
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)

@@ -395,14 +395,14 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         _reassociated(graph, all_reduced, account)
     for t in graph.tensors:
         if t.id in enum.traffic and t.rank:
-            s = enum.hbm_seconds(t.id, model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]))
+            s = enum.hbm_seconds(t.id, model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]))
             compute += s
             cost_of[t.id] += s
 
     def row(tid, role, name=None):
         t = graph.tensors[tid]
         return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
-                          model.per_device_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
+                          model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
 
     loading = 0.0
     for t in enum.fed:

@@ -191,7 +191,7 @@ class Enumerator:
         key = (tid, spec)
         if key not in self._bytes_memo:
             t = self.g.tensors[tid]
-            self._bytes_memo[key] = self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec)
+            self._bytes_memo[key] = self.m.memory_bytes(t.shape, t.dtype.itemsize, spec)
         return self._bytes_memo[key]
 
     def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) \

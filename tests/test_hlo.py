@@ -135,3 +135,56 @@ def test_cpu_all_reduce_stored_as_a_slice_in_a_scan_reads_as_reduce_scatter():
     assert sum(c.count for c in grads) == 4
     raw = [c for c in collectives(text, mesh, read_cpu_reduce_scatter=False) if c.nbytes == 64 * 64 * 4]
     assert raw and all(c.kind == "all-reduce" for c in raw)
+
+
+def test_replica_groups_name_positions_in_the_mesh_not_device_ids():
+    # A mesh over permuted devices (a TPU topology's ids follow its torus, not the mesh): the
+    # groups of a psum over 'model' are mesh rows whatever the ids of their devices.
+    devices = [jax.devices()[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]      # ids 0-3 in both rows
+    mesh = make_jax_mesh(("data", "model"), (2, 4), devices)
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    f = jax.jit(lambda x, w: x @ w, in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
+                out_shardings=NamedSharding(mesh, P("data")))
+    [c] = collectives(f.lower(x, w).compile().as_text(), mesh)
+    assert (c.kind, c.axes) == ("all-reduce", ("model",))
+
+
+_SPLIT_ALL_GATHER = """HloModule m
+
+%async_collective_fusion.1 (p0: f32[1,8]) -> f32[4,8] {
+  %p0 = f32[1,8]{1,0} parameter(0)
+  ROOT %all-gather.2 = f32[4,8]{1,0} all-gather(%p0), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+%async_collective_fusion.2 (p0: f32[1,8]) -> f32[4,8] {
+  %p0 = f32[1,8]{1,0} parameter(0)
+  ROOT %all-gather.3 = f32[4,8]{1,0} all-gather(%p0), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+%fused_computation.9 (p0: f32[1,8]) -> f32[4,8] {
+  %p0 = f32[1,8]{1,0} parameter(0)
+  ROOT %all-gather.4 = f32[4,8]{1,0} all-gather(%p0), channel_id=7, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+%fused_computation.10 (p0: f32[1,8]) -> f32[4,8] {
+  %p0 = f32[1,8]{1,0} parameter(0)
+  ROOT %all-gather.5 = f32[4,8]{1,0} all-gather(%p0), channel_id=8, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+ENTRY %main (x: f32[1,8]) -> f32[4,8] {
+  %x = f32[1,8]{1,0} parameter(0)
+  %async-collective-start = f32[4,8]{1,0} fusion(%x), kind=kCustom, calls=%fused_computation.9
+  %fusion.1 = f32[4,8]{1,0} fusion(%x), kind=kCustom, calls=%async_collective_fusion.1
+  %fusion.2 = f32[4,8]{1,0} fusion(%x), kind=kCustom, calls=%async_collective_fusion.2
+  ROOT %fusion.3 = f32[4,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_computation.10
+}
+"""
+
+
+def test_a_collective_libtpu_splits_over_async_fusions_counts_once():
+    # libtpu runs an async collective as a start, continuations and a done, each a fusion with a
+    # copy of the collective (one channel_id): one all-gather. Another channel is another one.
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    found = collectives(_SPLIT_ALL_GATHER, mesh)
+    assert [(c.kind, c.axes, c.nbytes, c.count) for c in found] == [("all-gather", ("model",), 128, 1.0)] * 2

@@ -1,0 +1,69 @@
+"""How many bytes an array takes in a device's memory once the compiler lays it out.
+
+A GPU (and XLA's CPU backend) stores an array densely: its bytes are its elements times its
+item size. A TPU stores every array in tiles: the minor dimension padded to 128 lanes, the
+second-minor to a tile of 1, 2, 4 or 8 rows (by its size; 16-bit types take at least 2, 8-bit at
+least 4: they pack rows into one 32-bit row), a 1-D array to 128-1024 elements, and nothing
+below 512 bytes. libtpu permutes the layout's dimension order to pad least (a ``[64, 5]`` array
+is laid out ``{0,1:T(8,128)}``: 5 rows of 64 lanes, not 64 rows of 5). Found by compiling
+parameters of 216 shapes (f32, bf16, s32, s8) on libtpu's deviceless v5e compiler and reading
+``argument_size_in_bytes`` and the layouts of ``as_text()``: the rule matches all of them and
+the entry parameters of the TPU audit cells (benchmarks/RESULTS.md, session 10).
+
+On full-size models the padding is a rounding; on small arrays (a head dimension of 64, a
+per-device batch of 1 as the second-minor dimension) it is up to 2x per array and 100x for
+vectors, which is what made the TPU audit of the tiny reference models read 26-49% low.
+
+>>> tpu_bytes((64, 5), 4)          # 5 rows padded to 8, 64 lanes to 128
+4096
+>>> tpu_bytes((1000,), 2)          # 1024 elements
+2048
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+LANES = 128
+MAX_ROWS = 8
+MIN_BYTES = 512
+_VECTOR_TILE = 1024
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tpu_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of an array of ``shape`` and ``itemsize`` in TPU memory, padded to its tiles."""
+    shape = tuple(int(d) for d in shape)
+    if any(d == 0 for d in shape):
+        return 0
+    if not shape:
+        return max(itemsize, MIN_BYTES)
+    pack = max(1, 4 // itemsize)            # rows packed into one 32-bit row
+    if len(shape) == 1:
+        n = shape[0]
+        tile = min(_VECTOR_TILE, max(LANES * pack, _pow2_at_least(n)))
+        return max(_round_up(n, tile) * itemsize, MIN_BYTES)
+    best = None
+    for minor in range(len(shape)):
+        for second in range(len(shape)):
+            if second == minor:
+                continue
+            rows = shape[second]
+            tile_rows = min(MAX_ROWS, max(pack, _pow2_at_least(rows)))
+            rest = math.prod(d for k, d in enumerate(shape) if k not in (minor, second))
+            n = rest * _round_up(rows, tile_rows) * _round_up(shape[minor], LANES) * itemsize
+            best = n if best is None else min(best, n)
+    return max(best, MIN_BYTES)
+
+
+def tiled(device_name: str) -> bool:
+    """Whether arrays on this device are laid out in TPU tiles (every TPU generation is)."""
+    return device_name.strip().upper().startswith("TPU")

@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+
+import shardplan
+from shardplan import targets
+from shardplan.cost import CostModel
+from shardplan.layout import tiled, tpu_bytes
+
+needs_tpu = pytest.mark.skipif(not targets.available("tpu"), reason="libtpu is not installed "
+                               "(pip install 'shardplan[aot]')")
+
+
+@pytest.mark.parametrize("shape, itemsize, expected", [
+    ((7,), 4, 512),                  # 128 lanes
+    ((129,), 4, 1024),               # a tile of 256
+    ((3000,), 2, 6144),              # tiles of 1024
+    ((1, 64), 4, 512),               # one row of 128 lanes
+    ((3, 64), 4, 2048),              # 4 rows
+    ((9, 64), 2, 4096),              # 16 rows (a multiple of 8)
+    ((64, 5), 4, 4096),              # laid out {0,1}: 5 rows of 64 lanes, not 64 rows of 5
+    ((4, 5, 6), 4, 10240),           # the 4 as rows: 5 x 4 x 128
+    ((32, 1, 64), 2, 8192),          # bf16: the 1 is not the second-minor (2 rows at least)
+    ((3, 3, 128, 256), 1, 294912),   # dense: nothing padded
+])
+def test_tile_padding_matches_what_libtpu_lays_out(shape, itemsize, expected):
+    # Values read off libtpu's v5e compile (argument_size_in_bytes, one parameter each).
+    assert tpu_bytes(shape, itemsize) == expected
+
+
+def test_tiled_devices_and_memory_bytes_on_a_tpu_mesh():
+    assert tiled("TPU v5e") and tiled("TPU v5p") and not tiled("NVIDIA H100 80GB") and not tiled("cpu")
+    tpu = CostModel(shardplan.load_mesh("tpu-v5e-256", axes={"data": 16, "model": 16}))
+    gpu = CostModel(shardplan.load_mesh("h100-8", axes={"data": 2, "model": 4}))
+    spec = (("data",), ("model",))
+    # [256, 512] f32 over 16 x 16: [16, 32] a device, the 32 lanes padded to 128.
+    assert tpu.per_device_bytes((256, 512), 4, spec) == 16 * 32 * 4
+    assert tpu.memory_bytes((256, 512), 4, spec) == 16 * 128 * 4
+    assert gpu.memory_bytes((256, 512), 4, spec) == gpu.per_device_bytes((256, 512), 4, spec)
+
+
+@needs_tpu
+def test_tile_padding_matches_libtpu_on_random_shapes():
+    import jax
+    import jax.numpy as jnp
+    devices = targets._topology("tpu", "", "v5e:16x16").devices
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rng = np.random.default_rng(0)
+    sizes = [1, 2, 3, 5, 8, 9, 17, 64, 100, 128, 129, 300, 1000]
+    shapes = [tuple(int(rng.choice(sizes)) for _ in range(rng.integers(1, 5))) for _ in range(12)]
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.int8):
+        args = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
+        compiled = jax.jit(lambda *xs: sum(x.astype(jnp.float32).sum() for x in xs)).lower(*args).compile()
+        expected = sum(tpu_bytes(s, jnp.dtype(dtype).itemsize) for s in shapes)
+        assert compiled.memory_analysis().argument_size_in_bytes == expected, (dtype, shapes)
