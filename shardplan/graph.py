@@ -92,6 +92,20 @@ class DotOp:
     sizes: tuple[int, ...] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ManualRegion:
+    """A ``shard_map`` in the step (:mod:`shardplan.manual`): its mesh axes and sizes, its body
+    (per-device shapes), how many times it runs a step, the first of its results, where it is,
+    the tensor behind each operand."""
+
+    mesh: tuple[tuple[str, int], ...]
+    body: object
+    mult: float
+    out: int | None
+    source: str
+    operands: tuple[int | None, ...] = ()
+
+
 class _UnionFind:
     def __init__(self):
         self.parent: list[int] = []
@@ -121,6 +135,7 @@ class Graph:
         self.tensors: list[Tensor] = []
         self.edges: list[PairEdge] = []
         self.dots: list[DotOp] = []
+        self.manual: list[ManualRegion] = []     # shard_map regions (shardplan.manual)
         self.inputs: list[int] = []
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []

@@ -405,9 +405,13 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
                         continue
                     seen.add((kind, channel.group(1)))
             groups = replica_groups(rest, n)
+            moved_along = None
             if kind == COLLECTIVE_PERMUTE:
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
-                group = sorted({int(x) for x in re.findall(r"\d+", pairs.group(1))}) if pairs else list(range(n))
+                ids = [int(x) for x in re.findall(r"\d+", pairs.group(1))] if pairs else list(range(n))
+                group = sorted(set(ids))
+                # The axes a device's buffer moves along: where a source and its target differ.
+                moved_along = {a for src, dst in zip(ids[::2], ids[1::2]) for a in _axes_of([src, dst], mesh)}
             else:
                 group = groups[0]
             if start and kind != ALL_REDUCE:
@@ -416,6 +420,8 @@ def collectives(hlo_text: str, mesh, *, read_cpu_reduce_scatter: bool = True) ->
             if kind == REDUCE_SCATTER:
                 nbytes *= len(group)
             axes, times = _axes_of(group, mesh), mult.get(comp, 0.0)
+            if moved_along is not None:
+                axes = tuple(a for a in mesh.axis_names if a in moved_along)
             if not (read_cpu_reduce_scatter and kind == ALL_REDUCE and len(group) > 1):
                 out.append(Collective(kind, nbytes, axes, len(group), times, name))
                 continue

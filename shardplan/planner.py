@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
-from shardplan.errors import InfeasibleBudgetError
+from shardplan.errors import InfeasibleBudgetError, ShardplanError
 from shardplan.exact import lagrangian_start, lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph
+from shardplan.manual import body_costs
 from shardplan.walk import build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint, signature
@@ -78,6 +79,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
             return dataclasses.replace(cached, in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh), graph
         warnings.warn("shardplan: a cached plan does not match the traced step's tensors; planning again",
                       stacklevel=3)
+    _check_manual_meshes(graph, mesh)
     donated_outputs = _donated_outputs(graph, donated)
     model = CostModel(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
@@ -106,6 +108,17 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
 # Table cells past which a mesh of three or more axes is searched a few options at a time
 # instead of priced whole: pricing costs about 1 us a cell plus 20 us a distinct pair of specs.
 _WIDE_CELLS = 100_000
+
+
+def _check_manual_meshes(graph: Graph, mesh: MeshSpec) -> None:
+    """A ``shard_map`` runs over its own mesh: the plan's must be the same (axes of size 1 aside)."""
+    planned = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1}
+    for r in graph.manual:
+        region = {a: n for a, n in r.mesh if n > 1}
+        if region != planned:
+            raise ShardplanError(f"the shard_map at {r.source} runs over mesh axes {region}, but the plan is for "
+                                 f"{planned} ({mesh.name}): plan on the mesh the shard_map names, or build the "
+                                 "shard_map over the mesh you plan on (a pipeline's stage axis changes the mesh too)")
 
 
 def _wide(enum: Enumerator) -> bool:
@@ -327,7 +340,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             for a in c.axes:
                 by_axis[a] += s / len(c.axes)
                 bytes_by_axis[a] += c.nbytes * mult / len(c.axes)
-            cost_of[tid] += s
+            if tid is not None:
+                cost_of[tid] += s
         for c, _ in repeated:
             bytes_by_kind[c.kind] -= c.nbytes * mult
             for a in c.axes:
@@ -391,6 +405,16 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         # The result spec the strategy computes, reduced as priced (before any resharding to the
         # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
+    permuted: set = set()
+    for r in graph.manual:                   # shard_map bodies: what they do whatever the plan
+        costs = body_costs(r.body, dict(r.mesh), r.operands, permuted)
+        for c, runs in costs.comms:
+            account([(c, model.collective_time(c) * runs * r.mult)], runs * r.mult, r.out)
+        for dtype, flops in costs.flops.items():
+            t = model.compute_time(flops, costs.dot_bytes[dtype], dtype) * r.mult
+            compute += t
+            if r.out is not None:
+                cost_of[r.out] += t
     if compiler_kind(mesh) != "cpu":         # XLA's CPU pipeline does not reassociate all-reduces
         _reassociated(graph, all_reduced, account)
     for t in graph.tensors:

@@ -9,7 +9,8 @@ the primitive and the source line.
 
 from __future__ import annotations
 
-from shardplan.graph import DotOp, Graph, PairEdge
+from shardplan.graph import DotOp, Graph, ManualRegion, PairEdge
+from shardplan.manual import MANUAL_PRIMITIVE, region_specs
 from shardplan.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
 from shardplan.walk import source_of
 
@@ -185,6 +186,9 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         _scatter_add_rule(g, eqn, ins, out, edge)
         return
 
+    if prim == MANUAL_PRIMITIVE and _manual_rule(g, eqn, ins, outs, mult, edge):
+        return
+
     if prim == "iota" or not operands:
         return
 
@@ -206,6 +210,30 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     for o in outs:
         for t in operands:
             edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
+    """``shard_map``: each operand resharded to its ``in_specs`` entry, each result held at its
+    ``out_specs`` entry; the body's own costs are read at planning (:mod:`shardplan.manual`).
+    False (no rule) where the region leaves some of its mesh axes automatic."""
+    region = eqn.params["mesh"]
+    sizes = dict(zip(region.axis_names, region.axis_sizes))
+    specs = region_specs(eqn, sizes)
+    if specs is None:
+        return False
+    in_specs, out_specs = specs
+    source = source_of(eqn, g.call_source)
+    ranked = [o for o in outs if o is not None and _rank(g, o)]
+    for t, spec in zip(ins, in_specs):
+        if t is not None and _rank(g, t) and ranked:
+            edge(t, ranked[0], required=lambda s, spec=spec: spec)
+    for o, spec in zip(outs, out_specs):
+        if o is not None:
+            for d, axes in enumerate(spec):
+                g.require(o, d, axes, source)
+    g.manual.append(ManualRegion(tuple(sizes.items()), eqn.params["jaxpr"], mult,
+                                 ranked[0] if ranked else None, source, tuple(ins)))
+    return True
 
 
 def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:

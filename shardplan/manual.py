@@ -1,0 +1,147 @@
+"""Manual regions: a ``jax.shard_map`` inside a traced step.
+
+A ``shard_map`` fixes what it needs and makes: each operand sharded as its ``in_specs`` entry, each
+result as its ``out_specs`` entry, over the region's mesh. The planner keeps both (the operands are
+resharded to the region's specs before it, priced as XLA does; the results are held at the
+region's specs, as a sharding constraint would hold them) and plans everything around the region.
+What runs inside is the user's program on per-device shards: its collectives (``ppermute``,
+``psum``, ``all_gather``, ``all_to_all``, ``psum_scatter``) and its matmuls are read off the body,
+with the trip counts of its loops, and added to the plan's predicted step as they are, since no
+choice of the planner changes them. Ring attention (:mod:`shardplan.context`), a hand-written
+expert dispatch or a custom kernel's wrapper are such regions.
+
+A region whose mesh has an axis the planning mesh lacks, or of another size, or that leaves some
+of its mesh's axes automatic, is treated as an op without a rule (its operands gathered to
+replicated, with a warning).
+
+>>> costs = body_costs(eqn.params["jaxpr"], {"seq": 4})      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
+
+Spec = tuple[tuple[str, ...], ...]
+
+MANUAL_PRIMITIVE = "shard_map"
+
+# Collective primitives of a manual body -> the HLO collective they lower to.
+_COLLECTIVES = {"ppermute": COLLECTIVE_PERMUTE, "psum": ALL_REDUCE, "psum_invariant": ALL_REDUCE,
+                "pmax": ALL_REDUCE, "pmin": ALL_REDUCE, "all_gather": ALL_GATHER,
+                "all_gather_invariant": ALL_GATHER, "all_to_all": ALL_TO_ALL, "reduce_scatter": REDUCE_SCATTER}
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyCosts:
+    """What one run of a manual body does on each device: its collectives (``Comm`` with runs a
+    step) and its matmul FLOPs with the bytes they read and write, by operand dtype name."""
+
+    comms: tuple[tuple[Comm, float], ...] = ()
+    flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    dot_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _spec(pspec, rank: int) -> Spec:
+    out = []
+    for d in range(rank):
+        entry = pspec[d] if d < len(pspec) else None
+        out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(out)
+
+
+def region_specs(eqn, mesh_sizes: Mapping[str, int]) -> tuple[list[Spec], list[Spec]] | None:
+    """The specs a ``shard_map`` equation needs of its operands and makes of its results, or
+    ``None`` where the planner cannot hold them on a mesh of ``mesh_sizes`` (see the module)."""
+    p = eqn.params
+    region = dict(zip(p["mesh"].axis_names, p["mesh"].axis_sizes))
+    manual = set(p.get("newly_manual_axes") or region)
+    if any(mesh_sizes.get(a) != n for a, n in region.items()) or manual != set(region):
+        return None
+    ins = [_spec(s, len(v.aval.shape)) for s, v in zip(p["in_specs"], eqn.invars)]
+    outs = [_spec(s, len(v.aval.shape)) for s, v in zip(p["out_specs"], eqn.outvars)]
+    return ins, outs
+
+
+def _nbytes(aval) -> float:
+    return float(math.prod(aval.shape) * aval.dtype.itemsize)
+
+
+def _axes(name) -> tuple[str, ...]:
+    return (name,) if isinstance(name, str) else tuple(name)
+
+
+def _add(into: dict, other: Mapping, times: float) -> None:
+    for k, v in other.items():
+        into[k] = into.get(k, 0.0) + v * times
+
+
+def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen: set | None = None) -> BodyCosts:
+    """The collectives and matmuls of one run of a manual body (a ``jax.core.Jaxpr`` on
+    per-device shapes). A ``scan`` counts its body ``length`` times; of a ``cond``'s branches the
+    costliest counts (the slowest device sets the pace); a ``while`` loop's body once (its trip
+    count is not known when traced).
+
+    ``operands``: the step's tensor behind each of the body's inputs, and ``seen`` the
+    permutations of them counted so far: XLA computes one ``ppermute`` of one array once in a
+    program (common-subexpression elimination), so a region that permutes an input another
+    region permuted alike (ring attention's backward rotating the K/V blocks its forward rotated
+    first) does not count it again."""
+    comms: list[tuple[Comm, float]] = []
+    flops: dict[str, float] = {}
+    dot_bytes: dict[str, float] = {}
+    outer = {v: t for v, t in zip(jaxpr.invars, operands) if t is not None}
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        p = eqn.params
+        if prim in _COLLECTIVES:
+            kind = _COLLECTIVES[prim]
+            axes = _axes(p.get("axis_name", p.get("axes", ())))
+            axes = tuple(a for a in axes if isinstance(a, str) and mesh_sizes.get(a, 1) > 1)
+            if not axes:
+                continue
+            if prim == "ppermute" and seen is not None and eqn.invars[0] in outer:
+                key = (outer[eqn.invars[0]], tuple(p["perm"]), axes)
+                if key in seen:
+                    continue
+                seen.add(key)
+            if kind == ALL_GATHER:
+                moved = sum(_nbytes(v.aval) for v in eqn.outvars)
+            else:
+                moved = sum(_nbytes(v.aval) for v in eqn.invars if hasattr(v.aval, "shape"))
+            comms.append((Comm(kind, axes, moved), 1.0))
+        elif prim == "dot_general":
+            (lc, _), _ = p["dimension_numbers"]
+            lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+            dtype = lhs.dtype.name
+            flops[dtype] = flops.get(dtype, 0.0) + 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+            dot_bytes[dtype] = dot_bytes.get(dtype, 0.0) + _nbytes(lhs) + _nbytes(rhs) + _nbytes(out)
+        else:
+            subs = _sub_jaxprs(eqn)
+            if not subs:
+                continue
+            inner = [body_costs(j, mesh_sizes) for j in subs]
+            if prim == "cond":
+                inner = [max(inner, key=lambda c: (sum(f for f in c.flops.values()),
+                                                   sum(cm.nbytes * n for cm, n in c.comms)))]
+            times = float(p["length"]) if prim == "scan" else 1.0
+            for c in inner:
+                comms += [(cm, n * times) for cm, n in c.comms]
+                _add(flops, c.flops, times)
+                _add(dot_bytes, c.dot_bytes, times)
+    return BodyCosts(tuple(comms), flops, dot_bytes)
+
+
+def _sub_jaxprs(eqn) -> list:
+    out = []
+    for key, value in eqn.params.items():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            j = getattr(v, "jaxpr", v)
+            if hasattr(j, "eqns"):
+                out.append(j)
+            if key == "cond_jaxpr":       # a while loop's condition: no collectives worth pricing
+                out.pop()
+    return out

@@ -1,0 +1,115 @@
+"""Manual regions (``jax.shard_map``) in a user's step: planned around, priced from their bodies,
+and computing what ``jax.jit`` computes (8 fake CPU devices)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardplan
+from shardplan.context import ring_attention
+from shardplan.hlo import collectives
+from shardplan.manual import body_costs
+from shardplan.mesh import make_jax_mesh
+
+B, S, E, H = 4, 64, 64, 4
+
+
+def _params(layers=None):
+    shape = (E, E) if layers is None else (layers, E, E)
+    keys = jax.random.split(jax.random.key(0), 4)
+    return {n: jax.random.normal(k, shape) * 0.1 for n, k in zip("qkvo", keys)}
+
+
+def _layer(mesh, x, w):
+    q, k, v = ((x @ w[n]).reshape(B, S, H, E // H) for n in "qkv")
+    o = ring_attention(q, k, v, mesh=mesh, seq_axes=("seq",), batch_axes=("data",), causal=True)
+    return x + o.reshape(B, S, E) @ w["o"]
+
+
+def _step(mesh, scanned):
+    def loss(w, x):
+        if scanned:
+            x, _ = jax.lax.scan(lambda h, wl: (_layer(mesh, h, wl), None), x, w)
+        else:
+            x = _layer(mesh, x, w)
+        return jnp.mean(x ** 2)
+
+    def step(w, x):
+        value, grads = jax.value_and_grad(loss)(w, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, w, grads), value
+    return step
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_a_step_with_ring_attention_is_planned_around_it_and_trains_like_jit(scanned):
+    mesh = make_jax_mesh(("data", "seq"), (2, 4))
+    step = _step(mesh, scanned)
+    w, x = _params(2 if scanned else None), jax.random.normal(jax.random.key(9), (B, S, E))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # no "no sharding rule for primitive 'shard_map'"
+        f = shardplan.auto(step, mesh=mesh, hardware="h100-8", donate_argnums=(0,))
+        got_w, want_w = jax.tree.map(jnp.copy, w), w
+        for _ in range(3):
+            got_w, got = f(got_w, x)
+            want_w, want = jax.jit(step)(want_w, x)
+    assert not f.plan.warnings
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_w), jax.tree.leaves(want_w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+    # The bodies' K/V rotations are in the prediction, byte for byte.
+    compiled = f.lower(got_w, x).compile()
+    permuted = sum(c.nbytes * c.count for c in collectives(compiled.as_text(), mesh) if c.kind == "collective-permute")
+    assert permuted > 0
+    assert f.plan.cost.comm_bytes_by_kind["collective-permute"] == pytest.approx(permuted)
+    assert f.plan.cost.comm_bytes_by_axis["seq"] >= permuted
+
+
+def test_body_costs_count_loop_trips_and_the_costliest_branch():
+    mesh = make_jax_mesh(("x",), (8,))
+
+    def body(a):
+        def trip(c, _):
+            c = jax.lax.ppermute(c, "x", [(i, (i + 1) % 8) for i in range(8)])
+            return jax.lax.cond(c.sum() > 0, lambda c: c @ c, lambda c: c, c), None
+        a = jax.lax.scan(trip, a, None, length=3)[0]
+        return jax.lax.psum(a, "x")
+
+    region = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())
+    jaxpr = jax.make_jaxpr(region)(jnp.ones((64, 8)))
+    [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    costs = body_costs(eqn.params["jaxpr"], {"x": 8})
+    assert [(c.kind, c.axes, c.nbytes, n) for c, n in costs.comms] == [
+        ("collective-permute", ("x",), 8 * 8 * 4, 3.0), ("all-reduce", ("x",), 8 * 8 * 4, 1.0)]
+    assert costs.flops["float32"] == 3 * 2 * 8 * 8 * 8
+
+
+def test_a_shard_map_over_another_mesh_than_the_plans_is_refused_by_name():
+    mesh = make_jax_mesh(("data", "seq"), (2, 4))
+    step = _step(mesh, scanned=False)
+    w, x = _params(), jax.random.normal(jax.random.key(9), (B, S, E))
+    other = make_jax_mesh(("data", "seq"), (4, 2))
+    f = shardplan.auto(step, mesh=other, hardware="h100-8")
+    with pytest.raises(shardplan.ShardplanError, match=r"shard_map at .*context.py.* runs over mesh axes "
+                                                        r"\{'data': 2, 'seq': 4\}.*plan on the mesh"):
+        f(w, x)
+
+
+def test_a_partly_manual_shard_map_is_gathered_with_a_warning_and_still_right():
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+
+    def step(w, x):
+        def body(a):
+            return jax.lax.psum(a, "model")
+        h = jax.shard_map(body, mesh=mesh, in_specs=P(None, "model"), out_specs=P(), axis_names={"model"})(x @ w)
+        return w - 0.1 * jnp.mean(h) * w, jnp.mean(h)
+
+    w, x = jnp.ones((E, E)) * 0.01, jax.random.normal(jax.random.key(1), (8, E))
+    f = shardplan.auto(step, mesh=mesh, hardware="h100-8")
+    with pytest.warns(UserWarning, match="no sharding rule for primitive 'shard_map'"):
+        got = f(w, x)
+    want = jax.jit(step)(w, x)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
