@@ -16,7 +16,7 @@ import jax
 
 from shardplan import cache as plan_cache
 from shardplan.apply import constrained_function
-from shardplan import pipeline_search, recompute
+from shardplan import pipeline_search, recompute, sequence
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.pipeline import PipelineError
 from shardplan.walk import build_graph
@@ -98,11 +98,15 @@ def _remat_record(sites: dict, choices) -> dict | None:
 
 
 def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
-                 cache, setting, remat=None) -> tuple[Plan, tuple]:
+                 cache, setting, remat=None, context=None) -> tuple[Plan, tuple]:
     """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
     ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
     recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
-    policy}``: that one); the lowest predicted step that fits the budget kept."""
+    policy}``: that one), and with ``context``, every way to run its attention
+    (:func:`shardplan.sequence.search`); the lowest predicted step that fits the budget kept."""
+    if context is not None:
+        return sequence.search(trace, lambda t: _plan_search(t, mesh_spec, memory_budget, options, cache, setting,
+                                                              remat), mesh_spec, context, setting)
     cands, deeper = pipeline_search.rounds(mesh_spec, setting, trace, _budget(memory_budget, mesh_spec))
     if deeper:
         cands.append(None)            # here: deeper pipelines follow where nothing before fitted
@@ -192,6 +196,8 @@ def _plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
 def _traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
     """The step traced as ``plan`` was made: inside its pipeline, if it has one, with its recomputation."""
     choices = None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
+    if plan.context is not None:
+        trace = sequence.traced_in(trace, plan.context_config(), plan.axis_names, plan.axis_sizes)
     traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
     if traced is None:
         raise PlanMismatchError("the plan pipelines the step's layer_scan, but this step has none")
@@ -309,9 +315,10 @@ class AutoFunction:
     def __init__(self, fn: Callable, *, mesh=None, hardware=None, memory_budget=None, static_argnums=(),
                  static_argnames=(), donate_argnums=(), donate_argnames=(), time_limit: float = 30.0,
                  cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | str | None = None,
-                 pipeline=None, remat=None, **jit_kwargs):
+                 pipeline=None, remat=None, context=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.pipeline = None if pipeline == "off" else pipeline
+        self.context = None if context == "off" else context
         self.remat = _remat_setting(remat)
         self.cache = cache
         self.fn = fn
@@ -352,7 +359,7 @@ class AutoFunction:
     def _plan_for(self, trace: Callable[[], TracedStep]):
         """``plan_for(budget) -> (plan, graph, traced step)``: the step planned under ``budget``
         (inside each candidate pipeline and recomputation where asked), the same plan on every process."""
-        if self.pipeline is None and self.remat is None:
+        if self.pipeline is None and self.remat is None and self.context is None:
             traced = trace()
 
             def plan_for(budget: int):
@@ -364,7 +371,7 @@ class AutoFunction:
         def plan_searched(budget: int):
             plan, (graph, traced) = share_plan(
                 lambda: _plan_search(trace, self.mesh_spec, budget, self.options, self.cache, self.pipeline,
-                                     self.remat),
+                                     self.remat, self.context),
                 lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
             return plan, graph, traced
         return plan_searched
@@ -524,7 +531,7 @@ def auto(fn: None = None, **kwargs) -> Callable[[Callable], AutoFunction]: ...
 
 
 def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: float = 30.0, cache=True, plan=None,
-         fit_compiled: bool | str | None = None, pipeline=None, remat=None, **jit_kwargs):
+         fit_compiled: bool | str | None = None, pipeline=None, remat=None, context=None, **jit_kwargs):
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
@@ -538,7 +545,7 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     hardware's real compiler with no such device present (:mod:`shardplan.targets`, ``[aot]``
     extra); ``step.fit_attempts`` lists the compiles.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
-    same devices). ``remat``: as :func:`plan`'s. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    same devices). ``remat``, ``context``: as :func:`plan`'s. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
@@ -552,16 +559,16 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     if fn is None:
         return functools.partial(auto, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                                  time_limit=time_limit, cache=cache, plan=plan, fit_compiled=fit_compiled,
-                                 pipeline=pipeline, remat=remat, **jit_kwargs)
+                                 pipeline=pipeline, remat=remat, context=context, **jit_kwargs)
     return AutoFunction(fn, mesh=mesh, hardware=hardware, memory_budget=memory_budget, time_limit=time_limit,
                         cache=cache, plan=plan, fit_compiled=fit_compiled, pipeline=pipeline, remat=remat,
-                        **jit_kwargs)
+                        context=context, **jit_kwargs)
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_argnums: Sequence[int] = (),
          static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (),
          donate_argnames: Sequence[str] = (), time_limit: float = 30.0, cache=True, pipeline=None,
-         remat=None, **kwargs) -> Plan:
+         remat=None, context=None, **kwargs) -> Plan:
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
 
     ``pipeline``: ``None``/``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`,
@@ -575,6 +582,12 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     layer) gets the policy that, planned jointly with the sharding, gives the lowest predicted
     step within the budget (:func:`shardplan.recompute.search`); ``plan.remat`` says which.
 
+    ``context``: ``None``/``"off"`` (each :func:`shardplan.attention` call runs as
+    ``jax.nn.dot_product_attention``), a :class:`~shardplan.sequence.ContextConfig`, or
+    ``"auto"``: the step is planned with its attention unsplit and split over the sequence each
+    way :func:`shardplan.sequence.candidates` lists (all-gather, Ulysses, ring), the fastest
+    that fits kept; ``plan.context`` says which.
+
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
     """
     mesh_spec = _mesh_spec(mesh, hardware)
@@ -582,7 +595,8 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     options = PlannerOptions(time_limit=time_limit)
     trace = functools.partial(trace_step, fn, args, kwargs, call)
     remat = _remat_setting(remat)
-    p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline, remat),
+    context = None if context == "off" else context
+    p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline, remat, context),
                       lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
     return p
 

@@ -123,7 +123,7 @@ def _layout(fn: str, q_shape, kv_shape, axis_sizes: dict, batch_axes, seq_axes, 
 
 
 def _mesh_sizes(mesh: jax.sharding.Mesh) -> dict:
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+    return dict(mesh.shape)
 
 
 def _grouped(x, kv_heads: int):

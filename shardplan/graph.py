@@ -96,7 +96,7 @@ class DotOp:
 class ManualRegion:
     """A ``shard_map`` in the step (:mod:`shardplan.manual`): its mesh axes and sizes, its body
     (per-device shapes), how many times it runs a step, the first of its results, where it is,
-    the tensor behind each operand."""
+    the tensors behind its operands and results."""
 
     mesh: tuple[tuple[str, int], ...]
     body: object
@@ -104,6 +104,8 @@ class ManualRegion:
     out: int | None
     source: str
     operands: tuple[int | None, ...] = ()
+    results: tuple[int | None, ...] = ()
+    temp_bytes: float = 0.0        # the body's own temporaries per device (shardplan.manual.body_peak)
 
 
 class _UnionFind:

@@ -14,6 +14,9 @@ A region whose mesh has an axis the planning mesh lacks, or of another size, or 
 of its mesh's axes automatic, is treated as an op without a rule (its operands gathered to
 replicated, with a warning).
 
+Its temporaries (:func:`body_peak`) are held at every memory checkpoint: an upper bound, since
+the region runs at one point of the step.
+
 >>> costs = body_costs(eqn.params["jaxpr"], {"seq": 4})      # doctest: +SKIP
 """
 
@@ -79,35 +82,44 @@ def _add(into: dict, other: Mapping, times: float) -> None:
         into[k] = into.get(k, 0.0) + v * times
 
 
-def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen: set | None = None) -> BodyCosts:
+def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen: dict | None = None,
+               results: tuple = ()) -> BodyCosts:
     """The collectives and matmuls of one run of a manual body (a ``jax.core.Jaxpr`` on
     per-device shapes). A ``scan`` counts its body ``length`` times; of a ``cond``'s branches the
     costliest counts (the slowest device sets the pace); a ``while`` loop's body once (its trip
     count is not known when traced).
 
-    ``operands``: the step's tensor behind each of the body's inputs, and ``seen`` the
-    permutations of them counted so far: XLA computes one ``ppermute`` of one array once in a
-    program (common-subexpression elimination), so a region that permutes an input another
-    region permuted alike (ring attention's backward rotating the K/V blocks its forward rotated
-    first) does not count it again."""
+    ``operands`` and ``results``: the step's tensors behind the body's inputs and outputs;
+    ``seen``: what the regions counted so far share (``{}`` to start). XLA computes one
+    ``ppermute`` of one array once in a program (common-subexpression elimination), so a region
+    that permutes values another region permuted alike (ring attention's backward rotating the
+    K/V blocks its forward rotated first, or returned to it) does not count it again."""
     comms: list[tuple[Comm, float]] = []
     flops: dict[str, float] = {}
     dot_bytes: dict[str, float] = {}
-    outer = {v: t for v, t in zip(jaxpr.invars, operands) if t is not None}
+    # Value numbers of the body's values computed from the step's tensors alone (XLA's CSE: one
+    # computation of the same values is one), for the ppermutes that other regions repeat.
+    numbers = seen.setdefault("numbers", {}) if seen is not None else {}
+    permuted = seen.setdefault("permuted", set()) if seen is not None else set()
+    value = {v: numbers.get(t, ("tensor", t)) for v, t in zip(jaxpr.invars, operands) if t is not None}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         p = eqn.params
+        if seen is not None and not _sub_jaxprs(eqn) and all(_numbered(v, value) for v in eqn.invars):
+            key = (prim, repr(sorted(p.items())), tuple(_numbered(v, value) for v in eqn.invars))
+            for k, v in enumerate(eqn.outvars):
+                value[v] = key + (k,)
         if prim in _COLLECTIVES:
             kind = _COLLECTIVES[prim]
             axes = _axes(p.get("axis_name", p.get("axes", ())))
             axes = tuple(a for a in axes if isinstance(a, str) and mesh_sizes.get(a, 1) > 1)
             if not axes:
                 continue
-            if prim == "ppermute" and seen is not None and eqn.invars[0] in outer:
-                key = (outer[eqn.invars[0]], tuple(p["perm"]), axes)
-                if key in seen:
+            if prim == "ppermute" and seen is not None and eqn.invars[0] in value:
+                key = value[eqn.invars[0]]
+                if key in permuted:
                     continue
-                seen.add(key)
+                permuted.add(key)
             if kind == ALL_GATHER:
                 moved = sum(_nbytes(v.aval) for v in eqn.outvars)
             else:
@@ -132,7 +144,42 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
                 comms += [(cm, n * times) for cm, n in c.comms]
                 _add(flops, c.flops, times)
                 _add(dot_bytes, c.dot_bytes, times)
+    for v, t in zip(jaxpr.outvars, results):
+        if t is not None and v in value:
+            numbers[t] = value[v]
     return BodyCosts(tuple(comms), flops, dot_bytes)
+
+
+def _numbered(v, value: dict):
+    """A value's number: a literal's value, else what :func:`body_costs` numbered it (or None)."""
+    if not hasattr(v, "count"):
+        return ("literal", repr(getattr(v, "val", v)))
+    return value.get(v)
+
+
+def body_peak(jaxpr) -> float:
+    """Bytes a manual body holds at once on a device beyond its inputs (they are the step's
+    tensors): its values live in program order, an inner loop's or branch's own peak on top of
+    what is live around it. Unfused, so an upper bound on what XLA keeps."""
+    last: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if hasattr(v, "count"):          # a Var, not a Literal
+                last[v] = i
+    for v in jaxpr.outvars:
+        if hasattr(v, "count"):
+            last[v] = len(jaxpr.eqns)
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    live = peak = 0.0
+    for i, eqn in enumerate(jaxpr.eqns):
+        inner = max((body_peak(j) for j in _sub_jaxprs(eqn)), default=0.0)
+        made = sum(_nbytes(v.aval) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        peak = max(peak, live + inner + made)
+        live += made - sum(_nbytes(v.aval) for v in eqn.outvars if hasattr(v.aval, "shape") and v not in last)
+        for v in {v for v in eqn.invars if hasattr(v, "count")}:
+            if last.get(v) == i and v not in inputs:
+                live -= _nbytes(v.aval)
+    return peak
 
 
 def _sub_jaxprs(eqn) -> list:

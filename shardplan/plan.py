@@ -103,6 +103,9 @@ class Plan:
     # the recomputation its step was traced with, per layer class (shardplan.recompute):
     # {"sites": [{"key", "where", "layers", "policy"}]}; None: the step as written
     remat: dict | None = None
+    # how its shardplan.attention calls were traced (shardplan.sequence.ContextConfig.to_json()),
+    # None: as jax.nn.dot_product_attention
+    context: dict | None = None
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -156,6 +159,7 @@ class Plan:
                                       or "none"),
                  "pipeline: " + (self.pipeline_config().describe() if self.pipeline else "none"),
                  "recomputation: " + _describe_remat(self.remat),
+                 "context parallelism: " + (self.context_config().describe() if self.context else "none"),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
                                                       for k, v in c.memory_bytes_by_role.items()),
                  f"solver: {self.solver.status}, objective {self.solver.objective * 1e3:.3f} ms, "
@@ -176,6 +180,11 @@ class Plan:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
+    def context_config(self):
+        """The :class:`~shardplan.sequence.ContextConfig` the step's attention is traced in, or ``None``."""
+        from shardplan.sequence import ContextConfig
+        return None if self.context is None else ContextConfig.from_json(self.context)
+
     def pipeline_config(self):
         """The :class:`~shardplan.pipeline.PipelineConfig` the step is traced in, or ``None``."""
         from shardplan.pipeline import PipelineConfig
@@ -189,7 +198,7 @@ class Plan:
         import hashlib
         data = self._data()
         body = {k: data[k] for k in ("fingerprint", "axis_names", "axis_sizes", "dot_operands", "operand_pins",
-                                     "result_pins", "rewrites", "pipeline", "remat")}
+                                     "result_pins", "rewrites", "pipeline", "remat", "context")}
         body["specs"] = [(r["path"], r["spec"]) for r in data["inputs"] + data["outputs"] + data["activations"]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -213,7 +222,7 @@ class Plan:
                          for k, r in self.rewrites.items()},
             "cost": dataclasses.asdict(self.cost), "solver": solver,
             "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings),
-            "pipeline": self.pipeline, "remat": self.remat}
+            "pipeline": self.pipeline, "remat": self.remat, "context": self.context}
 
     def to_json(self) -> str:
         """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
@@ -269,7 +278,8 @@ class Plan:
             pipeline=None if data.get("pipeline") is None else dict(data["pipeline"]),
             remat=None if data.get("remat") is None else {"sites": [
                 {"key": str(r["key"]), "where": str(r["where"]), "layers": int(r["layers"]),
-                 "policy": str(r["policy"])} for r in data["remat"]["sites"]]})
+                 "policy": str(r["policy"])} for r in data["remat"]["sites"]]},
+            context=None if data.get("context") is None else dict(data["context"]))
 
     def _inconsistency(self) -> str:
         """What makes a loaded plan unusable, or ``""``."""
@@ -284,6 +294,14 @@ class Plan:
                 return f"its pipeline {self.pipeline} is not a pipeline ({e})"
             if dict(zip(self.axis_names, self.axis_sizes)).get(config.axis) != config.stages:
                 return f"its pipeline's {config.stages} stages are not a mesh axis {config.axis!r} of that size"
+        if self.context is not None:
+            try:
+                config = self.context_config()
+            except (KeyError, TypeError, ValueError) as e:
+                return f"its context parallelism {self.context} is not a shardplan.ContextConfig ({e})"
+            unknown = [a for a in (*config.seq_axes, *config.batch_axes, *config.head_axes) if a not in self.axis_names]
+            if unknown:
+                return f"its context parallelism splits over mesh axis {unknown[0]!r}, not one of {self.axis_names}"
         from shardplan.recompute import POLICIES, USER
         for site in (self.remat or {}).get("sites", ()):
             if site["policy"] not in (*POLICIES, USER):

@@ -405,9 +405,9 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         # The result spec the strategy computes, reduced as priced (before any resharding to the
         # tensor's own spec): pinned, XLA runs the planned reduction instead of choosing its own.
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
-    permuted: set = set()
+    seen: dict = {}
     for r in graph.manual:                   # shard_map bodies: what they do whatever the plan
-        costs = body_costs(r.body, dict(r.mesh), r.operands, permuted)
+        costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results)
         for c, runs in costs.comms:
             account([(c, model.collective_time(c) * runs * r.mult)], runs * r.mult, r.out)
         for dtype, flops in costs.flops.items():

@@ -10,7 +10,7 @@ the primitive and the source line.
 from __future__ import annotations
 
 from shardplan.graph import DotOp, Graph, ManualRegion, PairEdge
-from shardplan.manual import MANUAL_PRIMITIVE, region_specs
+from shardplan.manual import MANUAL_PRIMITIVE, body_peak, region_specs
 from shardplan.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
 from shardplan.walk import source_of
 
@@ -232,7 +232,8 @@ def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
             for d, axes in enumerate(spec):
                 g.require(o, d, axes, source)
     g.manual.append(ManualRegion(tuple(sizes.items()), eqn.params["jaxpr"], mult,
-                                 ranked[0] if ranked else None, source, tuple(ins)))
+                                 ranked[0] if ranked else None, source, tuple(ins), tuple(outs),
+                                 body_peak(eqn.params["jaxpr"])))
     return True
 
 

@@ -399,6 +399,8 @@ class Enumerator:
         for t in g.inputs:
             if not g.tensors[t].rank:
                 base_memory += g.tensors[t].nbytes
+        # A shard_map body's own temporaries, at every checkpoint (an upper bound: it runs at one).
+        base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 
         nodes: list[Node] = []
         node_of_group: dict[int, int] = {}

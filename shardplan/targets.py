@@ -130,6 +130,9 @@ def _topology(platform: str, config: str, name: str, slices: int = 1):
     # libtpu looks for the TPU VM it runs on: say it is a lone host (its warnings otherwise).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # A compile-only libtpu holds no TPU: let other processes load theirs (its lockfile would
+    # stop a second process, e.g. a CLI audit started by a program that compiled for a TPU).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")
     # Several slices joined by the data-center network (multislice): devices slice-major.
     extra = {"num_slices": slices} if slices > 1 else {}
     return topologies.get_topology_desc(topology_name=name, platform="tpu", **extra)

@@ -1,0 +1,205 @@
+"""Attention the planner may split over the sequence: the one line a model writes, the ways to
+split it (:class:`ContextConfig`) and their search.
+
+A model calls :func:`attention` where it would call ``jax.nn.dot_product_attention`` (same
+BTNH layout, grouped-query heads, causal mask). Outside :func:`context_parallel` it *is*
+``jax.nn.dot_product_attention``. Inside, it runs one of :mod:`shardplan.context`'s strategies
+(all-gather of K/V, Ulysses' all-to-alls, ring attention) as a ``shard_map`` over the mesh, with
+the sequence split over ``seq_axes``, the batch over ``batch_axes`` and the heads over
+``head_axes``. The planner traces the step once per :class:`ContextConfig` worth trying
+(:func:`candidates`), plans each (the ``shard_map`` fixes the attention's shardings and its
+collectives are priced from its body, :mod:`shardplan.manual`) and keeps the fastest that fits:
+``shardplan.auto(step, mesh=..., context="auto")``; ``plan.context`` says which.
+
+>>> out = shardplan.attention(q, k, v, causal=True)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+
+from shardplan import context as cp
+from shardplan.context import LoadBalance, Strategy
+from shardplan.errors import ShardplanError
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextConfig:
+    """One way to run the step's attention: ``strategy`` with the sequence over ``seq_axes``,
+    the batch over ``batch_axes``, the heads over ``head_axes`` (mesh axes), and for the ring
+    under a causal mask ``load_balance`` (``"zigzag"``)."""
+
+    strategy: Strategy
+    seq_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...] = ()
+    head_axes: tuple[str, ...] = ()
+    load_balance: LoadBalance | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        if self.load_balance is not None:
+            object.__setattr__(self, "load_balance", LoadBalance(self.load_balance))
+        for name in ("seq_axes", "batch_axes", "head_axes"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if not self.seq_axes:
+            raise ShardplanError("ContextConfig: seq_axes is empty; name the mesh axes the sequence is split over")
+
+    def describe(self) -> str:
+        text = f"{self.strategy.value} attention, sequence over {'x'.join(self.seq_axes)}"
+        if self.batch_axes:
+            text += f", batch over {'x'.join(self.batch_axes)}"
+        if self.head_axes:
+            text += f", heads over {'x'.join(self.head_axes)}"
+        return text + (f" ({self.load_balance.value})" if self.load_balance else "")
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy.value, "seq_axes": list(self.seq_axes), "batch_axes": list(self.batch_axes),
+                "head_axes": list(self.head_axes),
+                "load_balance": None if self.load_balance is None else self.load_balance.value}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ContextConfig:
+        return cls(data["strategy"], tuple(data["seq_axes"]), tuple(data["batch_axes"]), tuple(data["head_axes"]),
+                   data.get("load_balance"))
+
+
+@dataclasses.dataclass
+class Use:
+    """What a trace met: each :func:`attention` call's (q shape, kv shape, causal)."""
+
+    sites: list = dataclasses.field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_context_parallel", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(config: ContextConfig | None, mesh):
+    """Within this context (while a step is traced), :func:`attention` runs as ``config`` on
+    ``mesh`` (a ``Mesh`` or an ``AbstractMesh``); ``config=None`` records the calls only.
+    Yields a :class:`Use`."""
+    use = Use()
+    token = _ACTIVE.set((config, mesh, use))
+    try:
+        yield use
+    finally:
+        _ACTIVE.reset(token)
+
+
+_FUNCTIONS = {Strategy.ALLGATHER: cp.allgather_attention, Strategy.ULYSSES: cp.ulysses_attention,
+              Strategy.RING: cp.ring_attention}
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+    """``jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)``, or inside
+    :func:`context_parallel` the configured context-parallel strategy (same result)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    config, mesh, use = active
+    use.sites.append((tuple(q.shape), tuple(k.shape), bool(causal)))
+    if config is None:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    kw = dict(mesh=mesh, seq_axes=config.seq_axes, batch_axes=config.batch_axes, head_axes=config.head_axes,
+              causal=causal, scale=scale)
+    if config.strategy == Strategy.RING:
+        kw["load_balance"] = config.load_balance
+    return _FUNCTIONS[config.strategy](q, k, v, **kw)
+
+
+def candidates(sites: list, axis_sizes: dict) -> list[ContextConfig]:
+    """The configurations worth planning for attention calls of these (q shape, kv shape,
+    causal) on a mesh of ``axis_sizes``: per mesh axis that divides the sequence, the sequence
+    over it and the other axes over the batch where they divide it, else over the heads (the 2-D
+    head x context mix); all-gather, Ulysses where the heads divide, and the ring (zig-zag under
+    a causal mask). The planner adds no split at all."""
+    if not sites:
+        return []
+    q_shape, kv_shape, causal = sites[0]
+    batch, seq, heads, kv_heads = q_shape[0], q_shape[1], q_shape[2], kv_shape[2]
+    out = []
+    for axis, n in axis_sizes.items():
+        if n < 2 or seq % n:
+            continue
+        rest = [a for a, m in axis_sizes.items() if a != axis and m > 1]
+        batch_axes, head_axes, left = [], [], batch
+        for a in rest:
+            if left % axis_sizes[a] == 0:
+                batch_axes.append(a)
+                left //= axis_sizes[a]
+            elif heads % axis_sizes[a] == 0 and kv_heads % axis_sizes[a] == 0 and not head_axes:
+                head_axes.append(a)
+        if len(batch_axes) + len(head_axes) < len(rest):
+            continue            # an axis neither splits: the step runs replicated over it
+        local_heads = heads // math.prod(axis_sizes[a] for a in head_axes)
+        common = dict(seq_axes=(axis,), batch_axes=tuple(batch_axes), head_axes=tuple(head_axes))
+        out.append(ContextConfig(Strategy.ALLGATHER, **common))
+        if local_heads % n == 0:
+            out.append(ContextConfig(Strategy.ULYSSES, **common))
+        zigzag = causal and seq % (2 * n) == 0
+        out.append(ContextConfig(Strategy.RING, **common, load_balance=LoadBalance.ZIGZAG if zigzag else None))
+    return out
+
+
+def traced_in(trace, config: ContextConfig | None, axis_names, axis_sizes, use: Use | None = None):
+    """``trace`` (a step's trace) made to run inside ``config`` on a mesh of these axes (an
+    ``AbstractMesh``: the devices need not be present); the calls met are added to ``use``."""
+    mesh = jax.sharding.AbstractMesh(tuple(axis_sizes), tuple(axis_names),
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(axis_names))
+
+    def run():
+        with context_parallel(config, mesh) as met:
+            traced = trace()
+        if use is not None:
+            use.sites.extend(met.sites)
+        return traced
+    return run
+
+
+def search(trace, plan_one, mesh_spec, setting, pipeline=None):
+    """``(plan, rest)``: the step planned by ``plan_one(trace)`` (the planner's own search)
+    for each configuration of ``setting`` (``"auto"``: no split and every :func:`candidates`
+    entry; a :class:`ContextConfig`: that one), the lowest predicted step that fits kept, with
+    ``plan.context`` set."""
+    from shardplan.errors import InfeasibleBudgetError
+    from shardplan.progress import Status
+    if pipeline is not None:
+        raise ShardplanError(f"context={setting!r} with pipeline={pipeline!r}: context parallelism is not planned "
+                             "together with a pipeline yet; pass pipeline='off' or context='off'")
+    names, sizes = mesh_spec.axis_names, mesh_spec.axis_sizes
+    use = Use()
+    if isinstance(setting, ContextConfig):
+        configs = [setting]
+    elif setting == "auto":
+        traced_in(trace, None, names, sizes, use)()          # which attention calls the step makes
+        configs = [None] + candidates(use.sites, dict(zip(names, sizes)))
+    else:
+        raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
+    best, failures = None, []
+    for k, config in enumerate(configs):
+        if len(configs) > 1:
+            with Status() as line:
+                line.done(f"context candidate {k + 1}/{len(configs)}: "
+                          f"{'no sequence split' if config is None else config.describe()}")
+        try:
+            p, rest = plan_one(traced_in(trace, config, names, sizes))
+        except (InfeasibleBudgetError, cp.ContextParallelError) as e:
+            failures.append(e)
+            continue
+        p = dataclasses.replace(p, context=None if config is None else config.to_json())
+        if best is None or p.cost.step_s < best[0].cost.step_s:
+            best = (p, rest)
+    if best is None:
+        infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
+        raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+    if setting == "auto" and not use.sites:
+        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
+            "context='auto': the step has no shardplan.attention call, so no sequence split could be chosen; "
+            "the step is planned as written",)), best[1])
+    return best

@@ -1,0 +1,144 @@
+"""The planner chooses how a step's attention is split over the sequence (``context=``): the
+textbook answers, parity with ``jax.jit``, plans that keep their choice (8 fake CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardplan
+from shardplan.mesh import make_jax_mesh
+from shardplan.sequence import ContextConfig, candidates
+
+E = 128
+
+
+def _step(batch, seq, heads, causal=True):
+    def loss(w, x):
+        q, k, v = ((x @ w[n]).reshape(batch, seq, heads, E // heads) for n in "qkv")
+        o = shardplan.attention(q, k, v, causal=causal)
+        return jnp.mean((x + o.reshape(batch, seq, E) @ w["o"]) ** 2)
+
+    def step(w, x):
+        value, grads = jax.value_and_grad(loss)(w, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, w, grads), value
+    return step
+
+
+def _args(batch, seq):
+    keys = jax.random.split(jax.random.key(0), 5)
+    w = {n: jax.random.normal(k, (E, E)) * 0.1 for n, k in zip("qkvo", keys)}
+    return w, jax.random.normal(keys[4], (batch, seq, E))
+
+
+MESH = dict(axis_names=("data", "seq"), axis_sizes=(2, 4))
+
+
+def _run(step, args, steps=2, **kw):
+    f = shardplan.auto(step, mesh=make_jax_mesh(**MESH), hardware="h100-8", donate_argnums=(0,), **kw)
+    w, x = args
+    got_w, want_w = jax.tree.map(jnp.copy, w), w
+    for _ in range(steps):
+        got_w, got = f(got_w, x)
+        want_w, want = jax.jit(step)(want_w, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_w), jax.tree.leaves(want_w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return f
+
+
+def test_outside_the_planner_attention_is_dot_product_attention():
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))
+    np.testing.assert_array_equal(shardplan.attention(q, k, v, causal=True),
+                                  jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_a_short_sequence_with_ample_memory_is_not_split():
+    f = _run(_step(4, 256, 8), _args(4, 256), context="auto")
+    assert f.plan.context is None
+    assert "context parallelism: none" in f.plan.explain()
+
+
+def test_a_sequence_too_long_for_any_unsplit_plan_gets_context_parallelism():
+    step, args = _step(2, 2048, 8), _args(2, 2048)
+    with pytest.raises(shardplan.InfeasibleBudgetError):
+        shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", memory_budget="48MiB")
+    f = _run(step, args, context="auto", memory_budget="48MiB")
+    assert f.plan.context is not None and f.plan.cost.memory_bytes <= 48 * 2**20
+    assert f.plan.context_config().strategy.value == "ring"      # the others hold a [seq, seq] block per head
+    assert f.plan.cost.comm_bytes_by_kind["collective-permute"] > 0
+
+
+def _planned(step, args, config, **kw):
+    return shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", context=config, **kw)
+
+
+def test_with_heads_to_spare_ulysses_moves_less_than_the_ring():
+    step, args = _step(2, 1024, 8), _args(2, 1024)
+    common = dict(seq_axes=("seq",), batch_axes=("data",))
+    ulysses = _planned(step, args, ContextConfig("ulysses", **common))
+    ring = _planned(step, args, ContextConfig("ring", **common, load_balance="zigzag"))
+    assert ulysses.cost.comm_s < ring.cost.comm_s and ulysses.cost.step_s < ring.cost.step_s
+    assert ulysses.cost.comm_bytes_by_kind["all-to-all"] > 0 and ring.cost.comm_bytes_by_kind["all-to-all"] == 0
+
+
+def test_with_fewer_heads_than_the_sequence_axis_ulysses_is_not_a_candidate():
+    sizes = {"data": 2, "seq": 4}
+    few = candidates([((2, 1024, 2, 64), (2, 1024, 2, 64), True)], sizes)
+    assert {(c.strategy.value, c.seq_axes) for c in few} >= {("ring", ("seq",)), ("allgather", ("seq",))}
+    assert ("ulysses", ("seq",)) not in {(c.strategy.value, c.seq_axes) for c in few}
+    many = candidates([((2, 1024, 8, 16), (2, 1024, 8, 16), True)], sizes)
+    assert ("ulysses", ("seq",)) in {(c.strategy.value, c.seq_axes) for c in many}
+    # Heads over the other axis where it does not split the batch: LoongTrain's 2-D mix.
+    mixed = candidates([((1, 1024, 8, 16), (1, 1024, 8, 16), True)], sizes)
+    assert any(c.seq_axes == ("seq",) and c.head_axes == ("data",) for c in mixed)
+
+
+def test_a_plan_keeps_its_attention_choice_through_a_file(tmp_path):
+    step, args = _step(2, 512, 8), _args(2, 512)
+    config = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag")
+    made = _planned(step, args, config)
+    assert made.context_config() == config and "ring attention, sequence over seq" in made.explain()
+    made.save(tmp_path / "plan.json")
+    loaded = shardplan.Plan.load(tmp_path / "plan.json")
+    assert loaded.context == made.context
+    f = _run(step, args, steps=1, plan=tmp_path / "plan.json")
+    assert f.plan.context == made.context
+
+
+def test_bad_context_settings_say_what_works():
+    step, args = _step(2, 256, 8), _args(2, 256)
+    with pytest.raises(shardplan.ShardplanError, match="context='sideways': give 'auto', 'off'"):
+        _planned(step, args, "sideways")
+    with pytest.raises(shardplan.ShardplanError, match="seq_axes is empty"):
+        ContextConfig("ring", seq_axes=())
+    with pytest.raises(shardplan.ShardplanError, match="not planned together with a pipeline"):
+        _planned(step, args, "auto", pipeline=2)
+
+
+def test_a_step_without_attention_calls_says_so():
+    def step(w, x):
+        return w - 0.1 * jnp.mean(x @ w) * w, jnp.mean(x)
+    f = shardplan.plan(step, jnp.ones((E, E)), jnp.ones((8, E)), mesh=make_jax_mesh(**MESH), hardware="h100-8",
+                       context="auto")
+    assert f.context is None and any("no shardplan.attention call" in w for w in f.warnings)
+
+
+@pytest.mark.parametrize("config", [
+    ContextConfig("allgather", seq_axes=("seq",), batch_axes=("data",)),
+    ContextConfig("ulysses", seq_axes=("seq",), batch_axes=("data",)),
+    ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag"),
+    ContextConfig("ring", seq_axes=("seq",), head_axes=("data",)),
+], ids=lambda c: c.describe())
+def test_each_strategys_collectives_are_predicted_as_compiled(config):
+    from shardplan.hlo import collectives
+    mesh = make_jax_mesh(**MESH)
+    step, (w, x) = _step(2, 512, 8), _args(2, 512)
+    f = shardplan.auto(step, mesh=mesh, hardware="h100-8", context=config)
+    compiled = {}
+    for c in collectives(f.lower(w, x).compile().as_text(), mesh):
+        compiled[c.kind] = compiled.get(c.kind, 0.0) + c.nbytes * c.count
+    predicted = {k: v for k, v in f.plan.cost.comm_bytes_by_kind.items() if v}
+    assert set(predicted) == set(compiled)
+    for kind, nbytes in predicted.items():      # the loss's mean adds a few bytes of all-reduce
+        assert compiled[kind] == pytest.approx(nbytes, rel=1e-4, abs=16), kind
