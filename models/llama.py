@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import shardplan
 from shardplan.models.layers import LayerStack, causal_attention, constrain
 
 
@@ -24,6 +26,9 @@ class LlamaConfig:
     dtype: str = "float32"
     remat: str = "none"               # activation recomputation per layer: shardplan.models.layers.REMAT_POLICIES
     rope_theta: float = 500000.0
+    # "einsum": models.layers.causal_attention; "shardplan": shardplan.attention, which the
+    # planner may split over the sequence (context="auto": all-gather, Ulysses or ring attention)
+    attention: str = "einsum"
 
 
 def rope(x: jax.Array, theta: float) -> jax.Array:
@@ -62,7 +67,9 @@ class Attention(nnx.Module):
         q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
         k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
         v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
-        return constrain(x + self.wo(causal_attention(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
+        attend = causal_attention if getattr(cfg, "attention", "einsum") == "einsum" else \
+            functools.partial(shardplan.attention, causal=True)
+        return constrain(x + self.wo(attend(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
 
 
 class Block(Attention):
@@ -97,6 +104,12 @@ CONFIGS = {
     "llama-tiny": LlamaConfig(vocab=256, seq_len=32, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=192),
     "llama3-8b": LlamaConfig(vocab=128256, seq_len=8192, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32,
                              d_ff=14336, dtype="bfloat16"),
+    # Llama-3-8B at a 128K context (the long-context stage of its training recipe), with attention
+    # the planner may split over the sequence (issue 14's cell).
+    "llama3-8b-128k": LlamaConfig(vocab=128256, seq_len=131072, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32,
+                                  d_ff=14336, dtype="bfloat16", attention="shardplan"),
+    "llama-tiny-cp": LlamaConfig(vocab=256, seq_len=256, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=192,
+                                 attention="shardplan"),
     "llama3-70b": LlamaConfig(vocab=128256, seq_len=8192, d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80,
                               d_ff=28672, dtype="bfloat16"),
 }

@@ -199,10 +199,12 @@ def _cmd_plan(args) -> int:
                 shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
                 print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
         else:
-            pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")
+            # Context parallelism is not planned with a pipeline: asking for it leaves the pipeline off.
+            pipeline = args.pipeline or ("auto" if mesh.nodes > 1 and args.context == "off" else "off")
 
             kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
-                          pipeline=pipeline, remat="auto" if args.remat == "auto" else None)
+                          pipeline=None if pipeline == "off" else pipeline,
+                          remat="auto" if args.remat == "auto" else None, context=args.context)
             if args.verify is None:
                 plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
             else:
@@ -378,6 +380,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--pipeline", type=_pipeline_setting, default=None,
                    help="pipeline stages: auto (plan each candidate pipeline, keep the best), off, or a number "
                         "of stages (default: auto on a mesh of several nodes, else off)")
+    p.add_argument("--context", choices=("auto", "off"), default="off",
+                   help="attention split over the sequence (models written with shardplan.attention, e.g. "
+                        "llama3-8b-128k): auto plans it unsplit and each way to split it, and keeps the best")
     p.add_argument("--memory-budget", type=_byte_size, default=None,
                    help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the device, meshes/README.md)")
     p.add_argument("--time-limit", type=_time_limit, default=30.0,

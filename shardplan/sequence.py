@@ -169,7 +169,7 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
     ``plan.context`` set."""
     from shardplan.errors import InfeasibleBudgetError
     from shardplan.progress import Status
-    if pipeline is not None:
+    if pipeline not in (None, "off"):
         raise ShardplanError(f"context={setting!r} with pipeline={pipeline!r}: context parallelism is not planned "
                              "together with a pipeline yet; pass pipeline='off' or context='off'")
     names, sizes = mesh_spec.axis_names, mesh_spec.axis_sizes

@@ -142,3 +142,20 @@ def test_each_strategys_collectives_are_predicted_as_compiled(config):
     assert set(predicted) == set(compiled)
     for kind, nbytes in predicted.items():      # the loss's mean adds a few bytes of all-reduce
         assert compiled[kind] == pytest.approx(nbytes, rel=1e-4, abs=16), kind
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(scan):
+    # llama-tiny-cp is llama-tiny (sequence 256) with shardplan.attention: split over the sequence
+    # by the ring, 3 AdamW steps match the einsum model's jit steps.
+    from shardplan.models.train import reference
+    cp, plain = reference("llama-tiny-cp", scan=scan), reference("llama-tiny-cp", scan=scan, attention="einsum")
+    state, batch = cp.init(jax.random.key(0)), cp.batch(4)
+    config = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag")
+    f = shardplan.auto(cp.train_step, mesh=make_jax_mesh(**MESH), hardware="h100-8", context=config)
+    got, want = state, state
+    for _ in range(3):
+        got, got_metrics = f(got, batch)
+        want, want_metrics = jax.jit(plain.train_step)(want, batch)
+    assert f.plan.context_config() == config
+    np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
