@@ -79,17 +79,38 @@ class Use:
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_context_parallel", default=None)
 
 
+_DOT_PRODUCT_ATTENTION = jax.nn.dot_product_attention
+
+
 @contextlib.contextmanager
 def context_parallel(config: ContextConfig | None, mesh):
     """Within this context (while a step is traced), :func:`attention` runs as ``config`` on
-    ``mesh`` (a ``Mesh`` or an ``AbstractMesh``); ``config=None`` records the calls only.
-    Yields a :class:`Use`."""
+    ``mesh`` (a ``Mesh`` or an ``AbstractMesh``); ``config=None`` records the calls only. So does
+    a call of ``jax.nn.dot_product_attention`` (looked up when called, as ``jax.nn.`` code does)
+    with no bias, mask, sequence lengths or window: the attribute is routed through
+    :func:`attention` for the duration. Yields a :class:`Use`."""
     use = Use()
     token = _ACTIVE.set((config, mesh, use))
+    jax.nn.dot_product_attention = _routed
     try:
         yield use
     finally:
+        jax.nn.dot_product_attention = _DOT_PRODUCT_ATTENTION
         _ACTIVE.reset(token)
+
+
+def _routed(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, query_seq_lengths=None,
+            key_value_seq_lengths=None, local_window_size=None, implementation=None, return_residual=False):
+    """``jax.nn.dot_product_attention`` while a step is traced for the planner: the plain
+    self-attention calls go through :func:`attention`, the others as they are."""
+    plain = bias is None and mask is None and query_seq_lengths is None and key_value_seq_lengths is None \
+        and local_window_size is None and not return_residual
+    if plain:
+        return attention(query, key, value, causal=is_causal, scale=scale)
+    return _DOT_PRODUCT_ATTENTION(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                                  query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                                  local_window_size=local_window_size, implementation=implementation,
+                                  return_residual=return_residual)
 
 
 _FUNCTIONS = {Strategy.ALLGATHER: cp.allgather_attention, Strategy.ULYSSES: cp.ulysses_attention,
@@ -101,11 +122,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     :func:`context_parallel` the configured context-parallel strategy (same result)."""
     active = _ACTIVE.get()
     if active is None:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+        return _DOT_PRODUCT_ATTENTION(q, k, v, scale=scale, is_causal=causal)
     config, mesh, use = active
-    use.sites.append((tuple(q.shape), tuple(k.shape), bool(causal)))
-    if config is None:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    self_attention = q.ndim == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
+    if self_attention:
+        use.sites.append((tuple(q.shape), tuple(k.shape), bool(causal)))
+    if config is None or not self_attention:
+        return _DOT_PRODUCT_ATTENTION(q, k, v, scale=scale, is_causal=causal)
     kw = dict(mesh=mesh, seq_axes=config.seq_axes, batch_axes=config.batch_axes, head_axes=config.head_axes,
               causal=causal, scale=scale)
     if config.strategy == Strategy.RING:

@@ -159,3 +159,20 @@ def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(sc
         want, want_metrics = jax.jit(plain.train_step)(want, batch)
     assert f.plan.context_config() == config
     np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
+
+
+def test_a_step_written_with_jax_nn_dot_product_attention_gets_the_same_choice():
+    # The usual call, no shardplan import in the model: routed through shardplan.attention while
+    # the planner traces, and left alone after.
+    def loss(w, x):
+        q, k, v = ((x @ w[n]).reshape(2, 2048, 8, E // 8) for n in "qkv")
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.mean((x + o.reshape(2, 2048, E) @ w["o"]) ** 2)
+
+    def step(w, x):
+        value, grads = jax.value_and_grad(loss)(w, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, w, grads), value
+
+    f = _run(step, _args(2, 2048), steps=1, context="auto", memory_budget="48MiB")
+    assert f.plan.context_config().strategy.value == "ring"
+    assert jax.nn.dot_product_attention is shardplan.sequence._DOT_PRODUCT_ATTENTION
