@@ -25,6 +25,11 @@ batch, on a mesh with axes ``data`` and ``model``:
   and ``expert`` together (its largest dimension that divides), the batch over both, and the
   tokens in expert slots over ``data`` with the experts over ``expert`` (:func:`activation_rules`:
   the move between the two is XLA's all-to-all).
+- ``cp-allgather``, ``cp-ulysses``, ``cp-ring`` (models written with ``shardplan.attention``,
+  meshes with a ``seq`` axis): MaxText's context parallelism (``context_parallel_strategy``
+  all_gather, ulysses and ring, causal load balance for the ring): the sequence of the batch and
+  of every activation over ``seq``, the batch over ``data``, attention run by that strategy
+  (:mod:`shardplan.context`), every parameter and its optimizer state FSDP over both axes.
 - ``megatron-3d`` (:func:`megatron_3d`): Megatron-LM's 3D parallelism: tensor parallel over
   ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
@@ -47,6 +52,7 @@ COLUMN = ("qkv", "fc", "wq", "wk", "wv", "w_gate", "w_up", "Dense_0", "head")
 ROW = ("proj", "out", "wo", "w_down", "Dense_1")
 BASELINES = ("dp", "fsdp", "megatron", "megatron-tp", "maxtext")
 MOE_BASELINES = ("ep",)           # for mixture-of-experts models on meshes with an ``expert`` axis
+CP_BASELINES = ("cp-allgather", "cp-ulysses", "cp-ring")     # for shardplan.attention models, a ``seq`` axis
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")      # shardplan.models.moe's stacked experts, under ``moe``
 
 
@@ -67,7 +73,7 @@ def _param_spec(kind: str, keys: list[str], shape: tuple[int, ...], axes: dict[s
         return P()
     lead = 1 if stacked and "layers" in keys else 0
     all_axes = tuple(a for a, n in axes.items() if n > 1)
-    if kind == "fsdp":
+    if kind == "fsdp" or kind in CP_BASELINES:
         n = math.prod(axes[a] for a in all_axes)
         dims = sorted(range(lead, rank), key=lambda d: -shape[d])
         for d in dims:
@@ -147,16 +153,29 @@ def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] |
         rows = tuple(a for a, n in axes.items() if n > 1)
         return {"batch": rows or None, "exp_batch": "data" if axes.get("data", 1) > 1 else None,
                 "exp": "expert" if axes.get("expert", 1) > 1 else None}
+    if kind in CP_BASELINES:
+        return {"batch": "data" if axes.get("data", 1) > 1 else None, "seq": "seq", "embed": None}
     if kind != "megatron":
         return None
     return {"batch": "data" if axes.get("data", 1) > 1 else None,
             "seq": "model" if axes.get("model", 1) > 1 else None, "embed": None}
 
 
+def context_config(kind: str):
+    """The :class:`shardplan.ContextConfig` a context-parallel baseline traces its attention in
+    (``None`` for the others)."""
+    if kind not in CP_BASELINES:
+        return None
+    from shardplan.sequence import ContextConfig
+    strategy = kind.removeprefix("cp-")
+    return ContextConfig(strategy, seq_axes=("seq",), batch_axes=("data",),
+                         load_balance="zigzag" if strategy == "ring" else None)
+
+
 def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: bool):
     """(state specs, batch specs) pytrees for baseline ``kind``."""
-    if kind not in BASELINES + MOE_BASELINES:
-        raise ValueError(f"unknown baseline {kind!r}; choose one of {BASELINES + MOE_BASELINES}")
+    if kind not in BASELINES + MOE_BASELINES + CP_BASELINES:
+        raise ValueError(f"unknown baseline {kind!r}; choose one of {BASELINES + MOE_BASELINES + CP_BASELINES}")
 
     def state_leaf(path, x):
         return _param_spec(kind, _keys(path), tuple(x.shape), axes, stacked)
@@ -165,6 +184,8 @@ def hand_plan(kind: str, abstract_state, batch, axes: dict[str, int], stacked: b
     batch_axes = ("data",) if kind in ("megatron", "megatron-tp", "maxtext") else all_axes
     batch_axes = tuple(a for a in batch_axes if axes.get(a, 1) > 1)
     spec = P(batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None))
+    if kind in CP_BASELINES:         # [batch, seq] tokens: rows over data, the sequence over seq
+        return state_specs, jax.tree.map(lambda x: P("data", "seq") if len(x.shape) >= 2 else P("data"), batch)
     return state_specs, jax.tree.map(lambda _: spec, batch)
 
 

@@ -40,7 +40,9 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan.benchmarks.baselines import BASELINES, MOE_BASELINES, activation_rules, hand_plan, megatron_3d  # noqa: E402
+from shardplan.benchmarks.baselines import (BASELINES, CP_BASELINES, MOE_BASELINES, activation_rules,  # noqa: E402
+                                            context_config, hand_plan, megatron_3d)
+from shardplan.sequence import context_parallel, traced_in  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
 from shardplan import targets  # noqa: E402
@@ -64,6 +66,7 @@ class Cell:
     budget: str = "hbm"             # "hbm" | "tight" | "infeasible"
     execute: bool = False           # also run it on 8 fake CPU devices
     remat: str = "none"             # activation recomputation per layer (shardplan.models.layers.REMAT_POLICIES), all plans
+    context: bool = False           # the planner chooses how attention splits over the sequence (context="auto")
 
     @property
     def id(self) -> str:
@@ -108,6 +111,9 @@ def _cells() -> list[Cell]:
     # Mixture of experts: 8 experts, an axis of 8 to split them over (issue 14).
     out.append(Cell("mixtral-8x7b", 64, "h100-8x8", (("data", 8), ("expert", 8)), remat="full"))
     out.append(Cell("gpt3-175b", 1024, "tpu-v5p-2x512", (("replica", 2), ("data", 64), ("model", 8)), remat="full"))
+    # Long context (issue 14): Llama-3-8B at 131072 tokens, one sequence per node of 8 (the point
+    # of the cell: nothing without a sequence split fits), against MaxText's three strategies.
+    out.append(Cell("llama3-8b-128k", 8, "h100-8x8", (("data", 8), ("seq", 8)), remat="full", context=True))
     return out
 
 
@@ -215,7 +221,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
                 rules = activation_rules(kind, axes)
                 context = activation_sharding(jax_mesh, rules) if rules else contextlib.nullcontext()
                 try:
-                    with context:
+                    with context, context_parallel(context_config(kind), jax_mesh):
                         lowered = jitted.lower(state, batch)
                     figures = price_compiled(lowered.compile(), mesh_spec, jax_mesh)
                     compiled_baselines[kind] = (figures, (jitted, sh, rules), flat)
@@ -252,7 +258,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
     # Across nodes the planner searches pipelines too, as `shardplan plan` does by default.
     f = shardplan.auto(ref.train_step, mesh=mesh_spec, memory_budget=budget, donate_argnums=(0,),
                        time_limit=time_limit, cache=False, fit_compiled=None if target == "cpu" else target,
-                       pipeline="auto" if mesh_spec.nodes > 1 else None)
+                       pipeline="auto" if mesh_spec.nodes > 1 and not cell.context else None,
+                       context="auto" if cell.context else None)
     try:
         start = time.perf_counter()
         f.make_plan(state, batch)     # trace, build the graph, solve (and on a target, the compiled-budget loop)
@@ -264,6 +271,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
                   solve_s=solve_s, **price_compiled(compiled, f.plan.mesh_spec or mesh_spec, laid))
         if f.plan.pipeline is not None:
             row.choice = f.plan.pipeline_config().describe()
+        if f.plan.context is not None:
+            row.choice = f.plan.context_config().describe()
         if row.memory_gib * 2**30 > budget:
             row.status = "over budget"       # predicted to fit, compiled bigger: shown, never hidden
         if cell.execute:
@@ -278,14 +287,17 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
 
     # Expert parallelism by hand where there are experts to split and an axis to split them over.
     moe = "expert" in axes and any("moe" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
-    for kind in BASELINES + (MOE_BASELINES if moe else ()):
+    for kind in BASELINES + (MOE_BASELINES if moe else ()) + (CP_BASELINES if cell.context else ()):
         figures, run, flat = baseline(kind)
         if not isinstance(figures, dict):
             rows.append(Row(cell.id, kind, figures))
         else:
             fixed = [from_partition_spec(s, len(a.shape)) for s, a in zip(flat, flat_avals)]
+            hand = closed if context_config(kind) is None else traced_in(
+                lambda: trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,))),
+                context_config(kind), mesh_spec.axis_names, mesh_spec.axis_sizes)().closed
             try:
-                p, _ = plan_jaxpr(closed, names, arg_of, mesh_spec, hbm, donated=donated, state_pairs=pairs,
+                p, _ = plan_jaxpr(hand, names, arg_of, mesh_spec, hbm, donated=donated, state_pairs=pairs,
                                   options=options, fixed_inputs=fixed)
                 predicted = p.cost.step_s * 1e3
             except shardplan.InfeasibleBudgetError:
@@ -302,9 +314,10 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
             rows.append(row)
         if bar:
             bar.step(f"{cell.id} {kind}")
-    rows.append(_megatron_3d(cell, ref, state, batch, mesh_spec, target, budget))
-    if bar:
-        bar.step(f"{cell.id} megatron-3d")
+    if not cell.context:           # the long-context cell compares sequence splits, not pipelines
+        rows.append(_megatron_3d(cell, ref, state, batch, mesh_spec, target, budget))
+        if bar:
+            bar.step(f"{cell.id} megatron-3d")
     for r in rows:
         r.budget_gib = budget / 2**30
         r.compiler = compiler
@@ -480,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or not cells:
         print("\n".join(c.id for c in (cells or CELLS)))
         return 0 if cells else 2
-    steps = len(cells) * (2 + len(BASELINES))
+    steps = sum(2 + len(BASELINES) + (len(CP_BASELINES) - 1 if c.context else 0) for c in cells)
     bar = Progress(steps, "bench")
     all_rows: list[Row] = []
     os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,9 @@ Each strategy is a function called inside ``jax.jit`` on global arrays in the BT
 ``[batch, seq, kv_heads, head_dim]``, grouped-query attention when ``kv_heads`` divides
 ``q_heads``), sharded ``P(batch_axes, seq_axes, head_axes, None)``; each wraps a ``jax.shard_map``
 body and returns the output sharded as q. Softmax statistics are float32 whatever the input dtype.
+Each device attends blockwise (:mod:`shardplan.flash`, forward and backward): queries and keys in
+chunks of ``block_size`` (default 512, or a ``(block_q, block_k)`` pair), so it holds one chunk
+pair's scores at a time, never a whole ``[local seq, seq]`` block; the chunking adds no collective.
 
 - :func:`allgather_attention` all-gathers K and V over the seq axes and attends this device's
   query chunk to the whole sequence. It moves K and V whole (and reduce-scatters their gradients):
@@ -40,11 +43,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from shardplan import flash
 from shardplan.cost import ALL_GATHER, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from shardplan.errors import ShardplanError
 
 Axes = tuple[str, ...]
-_MASKED = -1e30      # a masked logit: finite, so subtracting a row max never makes inf - inf
+BLOCK_SIZE = 512     # the default query and key chunk of the local attention (shardplan.flash)
 
 
 class Strategy(str, enum.Enum):
@@ -126,43 +130,37 @@ def _mesh_sizes(mesh: jax.sharding.Mesh) -> dict:
     return dict(mesh.shape)
 
 
-def _grouped(x, kv_heads: int):
-    """``[b, s, H, d]`` -> ``[b, K, G, s, d]``: query head ``h`` serves kv head ``h // G``."""
-    b, s, h, d = x.shape
-    return x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+def _blocks(fn: str, block_size) -> tuple[int, int]:
+    try:
+        return flash.block_sizes(block_size)
+    except ValueError as e:
+        raise ContextParallelError(f"{fn}: {e}") from None
 
 
-def _ungrouped(x):
-    b, k, g, s, d = x.shape
-    return x.transpose(0, 3, 1, 2, 4).reshape(b, s, k * g, d)
-
-
-def _local_attention(q, k, v, scale: float, causal: bool, q_offset=0):
-    """Plain attention of a query block at global offset ``q_offset`` to keys from 0, f32 softmax."""
-    qg = _grouped(q, k.shape[2])
-    s = jnp.einsum("bkgqd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
-    if causal:
-        rows = q_offset + jnp.arange(q.shape[1])[:, None]
-        s = jnp.where(rows >= jnp.arange(k.shape[1])[None, :], s, _MASKED)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return _ungrouped(out).astype(q.dtype)
+def _local_attention(q, k, v, scale: float, causal: bool, block_size, q_offset=0):
+    """Blockwise attention of a query block at global offset ``q_offset`` to keys from 0."""
+    return flash.attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, block_size=block_size)[0]
 
 
 def allgather_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=(), head_axes=(),
-                        causal: bool = False, scale: float | None = None):
+                        causal: bool = False, scale: float | None = None, block_size=BLOCK_SIZE):
     """Attention with K and V all-gathered over ``seq_axes``; each device keeps its query chunk.
+
+    The local attention is blockwise (:func:`shardplan.flash.attention`, chunks of ``block_size``).
+    Under ``causal`` every chunk pair is visited (the device's offset is traced) and masked
+    arithmetically: the last device, which sets the pace, needs all but half a diagonal anyway.
 
     >>> out = allgather_attention(q, k, v, mesh=mesh, seq_axes="seq", causal=True)   # doctest: +SKIP
     """
     lay = _layout("allgather_attention", q.shape, k.shape, _mesh_sizes(mesh), batch_axes, seq_axes, head_axes,
                   scale)
+    block_size = _blocks("allgather_attention", block_size)
 
     def body(q, k, v):
         if not lay.seq_axes:
-            return _local_attention(q, k, v, lay.scale, causal)
+            return _local_attention(q, k, v, lay.scale, causal, block_size)
         k, v = (lax.all_gather(x, lay.seq_axes, axis=1, tiled=True) for x in (k, v))
-        return _local_attention(q, k, v, lay.scale, causal, lax.axis_index(lay.seq_axes) * q.shape[1])
+        return _local_attention(q, k, v, lay.scale, causal, block_size, lax.axis_index(lay.seq_axes) * q.shape[1])
 
     return jax.shard_map(body, mesh=mesh, in_specs=(lay.spec,) * 3, out_specs=lay.spec)(q, k, v)
 
@@ -179,12 +177,14 @@ def _kv_repeat(fn: str, q_heads: int, kv_heads: int, lay: _Layout) -> int:
 
 
 def ulysses_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=(), head_axes=(),
-                      causal: bool = False, scale: float | None = None):
+                      causal: bool = False, scale: float | None = None, block_size=BLOCK_SIZE):
     """DeepSpeed-Ulysses: all-to-all q, k, v to head-split over ``seq_axes``, attend, all-to-all back.
 
     The local head counts must divide by the seq-axis size. With grouped-query attention whose
     local kv heads do not, each kv head is repeated (the fewest times that divides them) before
-    the all-to-all, which moves the repeated K and V.
+    the all-to-all, which moves the repeated K and V. The attention of the whole sequence on the
+    local heads is blockwise (:func:`shardplan.flash.attention`, chunks of ``block_size``); under
+    ``causal`` the chunk pairs above the diagonal are skipped.
 
     >>> out = ulysses_attention(q, k, v, mesh=mesh, seq_axes="seq", head_axes="model")   # doctest: +SKIP
     """
@@ -192,13 +192,14 @@ def ulysses_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=
     lay = _layout("ulysses_attention", q.shape, k.shape, sizes, batch_axes, seq_axes, head_axes, scale)
     heads = math.prod(sizes[a] for a in lay.head_axes)
     repeat = _kv_repeat("ulysses_attention", q.shape[2] // heads, k.shape[2] // heads, lay)
+    block_size = _blocks("ulysses_attention", block_size)
 
     def body(q, k, v):
         if not lay.seq_axes:
-            return _local_attention(q, k, v, lay.scale, causal)
+            return _local_attention(q, k, v, lay.scale, causal, block_size)
         k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
         q, k, v = (lax.all_to_all(x, lay.seq_axes, 2, 1, tiled=True) for x in (q, k, v))
-        out = _local_attention(q, k, v, lay.scale, causal)
+        out = _local_attention(q, k, v, lay.scale, causal, block_size)
         return lax.all_to_all(out, lay.seq_axes, 1, 2, tiled=True)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(lay.spec,) * 3, out_specs=lay.spec)(q, k, v)
@@ -206,7 +207,8 @@ def ulysses_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=
 
 # Ring attention. Device i starts with its own K/V block; at step t it holds the block of device
 # (i - t) mod n. With a causal mask a block is attended whole, on the diagonal (own block, a
-# static mask), or not at all; zigzag blocks attend half (see _cases).
+# static mask), or not at all; zigzag blocks attend half (see _cases). Each block is folded in
+# blockwise (shardplan.flash), the parts of a case given as causal positions within the block.
 _FULL, _DIAG, _SKIP, _KV_FRONT, _Q_BACK = range(5)
 
 
@@ -216,6 +218,8 @@ class _Ring:
     lay: _Layout
     causal: bool
     zigzag: bool
+    block_q: int = BLOCK_SIZE
+    block_k: int = BLOCK_SIZE
 
     axes = property(lambda self: self.lay.seq_axes)
     n = property(lambda self: self.lay.n)
@@ -232,79 +236,38 @@ def _cases(cfg: _Ring) -> tuple[int, ...]:
     return (_DIAG, _KV_FRONT, _Q_BACK) if cfg.zigzag else (_DIAG, _FULL, _SKIP)
 
 
-def _part(cfg: _Ring, kind: int, sq: int, sk: int):
-    """(query rows, key columns, mask or None) of one case, all static."""
-    rows, cols, mask = slice(None), slice(None), None
-    if kind == _DIAG:
-        mask = jnp.tril(jnp.ones((sq, sk), bool))
-        if cfg.zigzag:     # [[chunk i vs i: causal, i vs 2n-1-i: none], [2n-1-i vs i: all, vs itself: causal]]
-            h = jnp.tril(jnp.ones((sq // 2, sk // 2), bool))
-            mask = jnp.block([[h, jnp.zeros_like(h)], [jnp.ones_like(h), h]])
-    elif kind == _KV_FRONT:
-        cols = slice(0, sk // 2)
+def _mask(cfg: _Ring, kind: int, s: int) -> flash.Mask:
+    """A case as causal positions of the block's rows and columns (keys at 0 .. s-1), all static.
+
+    The diagonal is causal in local positions (zigzag's too: its chunks i and 2n-1-i keep their
+    order); the front half of the keys is what a row at s/2 - 1 sees; back rows only: the front
+    rows sit before every key, the back rows after. Zigzag chunks are cut from each half (the
+    whole half where the block does not divide it), so the pairs a case leaves out are skipped."""
+    pos = None
+    if kind == _KV_FRONT:
+        pos = (s // 2 - 1,) * s
     elif kind == _Q_BACK:
-        rows = slice(sq // 2, None)
-    return rows, cols, mask
-
-
-def _logits(cfg, q, k, mask):
-    s = jnp.einsum("bkgqd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * cfg.scale
-    return s if mask is None else jnp.where(mask, s, _MASKED)
+        pos = (-1,) * (s // 2) + (s,) * (s - s // 2)
+    bq, bk = cfg.block_q, cfg.block_k
+    if cfg.zigzag:
+        bq, bk = flash.chunk(s // 2, bq), flash.chunk(s // 2, bk)
+    return flash.Mask(kind != _FULL, bq, bk, pos)
 
 
 def _fold(cfg: _Ring, kind: int, q, k, v, stats):
     """Fold one K/V block into the running (max, sum, unnormalised output) of the query rows;
-    ``stats=None`` starts them from the first block, which every row attends (t = 0)."""
+    ``stats=None`` starts them."""
     if kind == _SKIP:
         return stats
-    rows, cols, mask = _part(cfg, kind, q.shape[3], k.shape[1])
-    k, v = k[:, cols], v[:, cols]
-    s = _logits(cfg, q[:, :, :, rows], k, mask)
-    m_new = s.max(-1) if stats is None else jnp.maximum(stats[0][..., rows], s.max(-1))
-    p = jnp.exp(s - m_new[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    if stats is None:
-        return m_new, p.sum(-1), pv
-    m, l, acc = stats
-    alpha = jnp.exp(m[..., rows] - m_new)
-    return (_put(m, 3, rows, m_new), _put(l, 3, rows, alpha * l[..., rows] + p.sum(-1)),
-            _put(acc, 3, rows, alpha[..., None] * acc[:, :, :, rows] + pv))
+    return flash.fold(q, k, v, stats, scale=cfg.scale, mask=_mask(cfg, kind, q.shape[3]))
 
 
 def _grads(cfg: _Ring, kind: int, q, k, v, do, lse, delta, grads):
     """Add one block's share to (dq, dk, dv), recomputing its probabilities from the logsumexp;
-    ``grads=None`` starts them from the first block."""
+    ``grads=None`` starts them."""
     if kind == _SKIP:
         return grads
-    rows, cols, mask = _part(cfg, kind, q.shape[3], k.shape[1])
-    q, do, lse, delta, kb, vb = q[:, :, :, rows], do[:, :, :, rows], lse[..., rows], delta[..., rows], k[:, cols], v[:, cols]
-    p = jnp.exp(_logits(cfg, q, kb, mask) - lse[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    f32 = dict(preferred_element_type=jnp.float32)
-    dv_b = jnp.einsum("bkgqs,bkgqd->bskd", p.astype(do.dtype), do, **f32)
-    dp = jnp.einsum("bkgqd,bskd->bkgqs", do, vb, **f32)
-    ds = (p * (dp - delta[..., None]) * cfg.scale).astype(q.dtype)
-    dq_b, dk_b = jnp.einsum("bkgqs,bskd->bkgqd", ds, kb, **f32), jnp.einsum("bkgqs,bkgqd->bskd", ds, q, **f32)
-    if grads is None:
-        return dq_b, dk_b, dv_b
-    dq, dk, dv = grads
-    return (_put(dq, 3, rows, dq[:, :, :, rows] + dq_b), _put(dk, 1, cols, dk[:, cols] + dk_b),
-            _put(dv, 1, cols, dv[:, cols] + dv_b))
-
-
-def _put(x, axis: int, part: slice, value):
-    """``x`` with ``x[part]`` along ``axis`` replaced by ``value``, by concatenation. Not with
-    ``.at[].set``: under grad of a scan over layers (JAX 0.10.2), JAX hoisted its empty index
-    arrays into a shard_map of their own, which XLA (Shardy) refused to compile."""
-    if part == slice(None):
-        return value
-    keep = (slice(None),) * axis
-    if part.start in (None, 0):
-        return jnp.concatenate([value, x[keep + (slice(part.stop, None),)]], axis)
-    return jnp.concatenate([x[keep + (slice(None, part.start),)], value], axis)
+    return flash.grads(q, k, v, do, lse, delta, grads, scale=cfg.scale, mask=_mask(cfg, kind, q.shape[3]))
 
 
 def _switch(cfg: _Ring, t, fn, *operands):
@@ -320,12 +283,12 @@ def _rotate(cfg: _Ring, xs):
     return lax.ppermute(xs, cfg.axes, perm=[(j, (j + 1) % cfg.n) for j in range(cfg.n)])
 
 
-# Both passes start from the block every row attends (t = 0: the own block, whole or diagonal), so
-# the running values need no -inf or zero fill. The rotation for the next step is issued before
-# the fold of the current block, which does not depend on it: XLA can overlap the two.
+# Both passes start from the block every row attends (t = 0: the own block, whole or diagonal).
+# The rotation for the next step is issued before the fold of the current block, which does not
+# depend on it: XLA can overlap the two.
 
 def _ring_forward(cfg: _Ring, q, k, v):
-    qg, first = _grouped(q, k.shape[2]), _cases(cfg)[0]
+    qg, first = flash.grouped(q, k.shape[2]), _cases(cfg)[0]
     kb, vb = _rotate(cfg, (k, v))                     # in flight while the own block is folded
     stats = _fold(cfg, first, qg, k, v, None)
 
@@ -335,13 +298,13 @@ def _ring_forward(cfg: _Ring, q, k, v):
         return (*nxt, _switch(cfg, t, _fold, qg, kb, vb, stats)), None
 
     (kb, vb, stats), _ = lax.scan(step, (kb, vb, stats), jnp.arange(1, cfg.n - 1))
-    m, l, acc = _switch(cfg, cfg.n - 1, _fold, qg, kb, vb, stats)
-    return _ungrouped(acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+    out, lse = flash.finish(_switch(cfg, cfg.n - 1, _fold, qg, kb, vb, stats))
+    return flash.ungrouped(out).astype(q.dtype), lse
 
 
 def _ring_backward(cfg: _Ring, q, k, v, out, lse, dout):
-    qg, dog = _grouped(q, k.shape[2]), _grouped(dout, k.shape[2])
-    delta = jnp.sum(dog.astype(jnp.float32) * _grouped(out, k.shape[2]).astype(jnp.float32), -1)
+    qg, dog = flash.grouped(q, k.shape[2]), flash.grouped(dout, k.shape[2])
+    delta = jnp.sum(dog.astype(jnp.float32) * flash.grouped(out, k.shape[2]).astype(jnp.float32), -1)
     dq, dk, dv = _grads(cfg, _cases(cfg)[0], qg, k, v, dog, lse, delta, None)
     kb, vb, dk, dv = _rotate(cfg, (k, v, dk, dv))     # dk, dv travel with their block
 
@@ -354,7 +317,7 @@ def _ring_backward(cfg: _Ring, q, k, v, out, lse, dout):
     (kb, vb, grads), _ = lax.scan(step, (kb, vb, (dq, dk, dv)), jnp.arange(1, cfg.n - 1))
     dq, dk, dv = _switch(cfg, cfg.n - 1, _grads, qg, kb, vb, dog, lse, delta, grads)
     dk, dv = _rotate(cfg, (dk, dv))                   # one more hop brings each block's gradient home
-    return _ungrouped(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return flash.ungrouped(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _zigzag(cfg: _Ring, x, inverse: bool = False):
@@ -376,7 +339,8 @@ def _zigzag(cfg: _Ring, x, inverse: bool = False):
 
 
 def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=(), head_axes=(),
-                   causal: bool = False, scale: float | None = None, load_balance: str | None = None):
+                   causal: bool = False, scale: float | None = None, load_balance: str | None = None,
+                   block_size=BLOCK_SIZE):
     """Ring attention: K/V blocks rotate around ``seq_axes`` (``ppermute``), flash-style online softmax.
 
     The backward is a second ring pass (a ``jax.custom_vjp``): the forward saves q, k, v, the
@@ -389,6 +353,10 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=(),
     local block each (one local block per tensor, eight tensors moved per forward and backward);
     the caller sees the contiguous order. Without ``causal`` there is nothing to balance and
     ``load_balance`` is ignored. Several ``seq_axes`` form one ring, devices ordered major-first.
+    Each block is folded in (and its gradient computed) blockwise, :mod:`shardplan.flash` chunks
+    of ``block_size``, skipping the chunk pairs wholly masked: above the own block's diagonal, and
+    under zigzag the half a case leaves out (its chunks are cut from each half of the block, the
+    whole half where ``block_size`` does not divide it).
 
     >>> out = ring_attention(q, k, v, mesh=mesh, seq_axes=("seq",), causal=True,
     ...                      load_balance="zigzag")   # doctest: +SKIP
@@ -399,8 +367,8 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, seq_axes, batch_axes=(),
                   seq_multiple=2 if zigzag else 1)
     if lay.n == 1:
         return allgather_attention(q, k, v, mesh=mesh, seq_axes=(), batch_axes=batch_axes, head_axes=head_axes,
-                                   causal=causal, scale=lay.scale)
-    return _ring(_Ring(mesh, lay, causal, zigzag), q, k, v)
+                                   causal=causal, scale=lay.scale, block_size=block_size)
+    return _ring(_Ring(mesh, lay, causal, zigzag, *_blocks("ring_attention", block_size)), q, k, v)
 
 
 # The custom_vjp wraps two shard_maps, the forward and the backward ring, so its residuals are

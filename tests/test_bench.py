@@ -41,3 +41,19 @@ def test_megatron_3d_runs_a_pipeline_across_nodes_and_is_not_offered_on_one(tmp_
     one = _megatron_3d(Cell("gpt-tiny", 16, "cpu-8", (("data", 2), ("model", 4))), ref, state, batch,
                        shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}), "cpu", 2**32)
     assert one.status.startswith("n/a: one node")
+
+
+def test_a_long_context_cell_compares_the_planner_with_the_three_hand_sequence_splits():
+    """The three MaxText context-parallel strategies as hand plans (sequence over ``seq``, FSDP
+    weights) next to the planner's context="auto", compiled on fake CPU devices."""
+    from shardplan.benchmarks.bench import Cell, run_cell
+    cell = Cell("llama-tiny-cp", 4, "cpu-8", (("data", 2), ("seq", 4)), context=True)
+    rows = {r.plan: r for r in run_cell(cell, time_limit=5.0)}
+    assert "megatron-3d" not in rows
+    for kind in ("cp-allgather", "cp-ulysses", "cp-ring"):
+        assert rows[kind].status == "ok" and rows[kind].compiled_ms > 0, rows[kind]
+    ring = rows["cp-ring"]
+    assert ring.comm_ms_by_kind.get("collective-permute", 0) > 0
+    assert rows["cp-ulysses"].comm_ms_by_kind.get("all-to-all", 0) > 0
+    planner = rows["shardplan"]
+    assert planner.status == "ok" and planner.predicted_ms > 0

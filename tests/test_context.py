@@ -1,5 +1,7 @@
 """Context parallelism: all-gather, Ulysses and ring attention equal plain attention, values and
-gradients, on 8 fake CPU devices; their collectives are the ones :func:`collectives` predicts."""
+gradients, on 8 fake CPU devices, with their local attention cut into several chunks or whole;
+their collectives are the ones :func:`collectives` predicts, and no device holds more than a few
+chunks' scores."""
 
 import collections
 import re
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from shardplan import context, hlo
+from shardplan import context, flash, hlo
+from shardplan.manual import body_peak
 
 B, S, H, D = 4, 64, 8, 16
 
@@ -88,13 +91,19 @@ def _predicted(name, mesh_name, causal, q, k, backward):
 CASES = [(name, mesh, causal, kv) for name in ("allgather", "ulysses", "ring") for i, mesh in enumerate(MESHES)
          for causal, kv in (((False, 8), (True, 2)) if i % 2 == 0 else ((True, 8), (False, 2)))]
 CASES += [("zigzag", mesh, True, kv) for mesh, kv in zip(MESHES, (8, 2, 8, 2))] + [("ring", "seq8", True, 8)]
+# Local chunks (block_size: both, or (block_q, block_k)), several per device; 3 divides no length
+# here, so its cases attend in one piece (the fallback), as 512 does in the tests below.
+BLOCKS = (4, (2, 8), 2, 3, (8, 4))
+CASES = [(*case, BLOCKS[i % len(BLOCKS)]) for i, case in enumerate(CASES)]
 
 
-@pytest.mark.parametrize("name,mesh_name,causal,kv_heads", CASES)
+@pytest.mark.parametrize("name,mesh_name,causal,kv_heads,block_size", CASES,
+                         ids=["-".join(map(str, c[:4])) + "-block" + "x".join(map(str, np.atleast_1d(c[4]))) for c in CASES])
 def test_sharded_attention_equals_plain_attention_and_its_collectives_are_predicted(name, mesh_name, causal,
-                                                                                        kv_heads):
+                                                                                        kv_heads, block_size):
     q, k, v, dout = _inputs(kv_heads)
-    compiled = jax.jit(_forward_backward(_attention(name, mesh_name, causal))).lower(q, k, v, dout).compile()
+    attn = _attention(name, mesh_name, causal, block_size=block_size)
+    compiled = jax.jit(_forward_backward(attn)).lower(q, k, v, dout).compile()
     want = _forward_backward(lambda q, k, v: reference(q, k, v, causal))(q, k, v, dout)
     _close(compiled(q, k, v, dout), want, rtol=1e-5)
     # One forward and backward, in one program: exactly the bytes collectives() lists, per kind.
@@ -125,7 +134,7 @@ def test_ring_attention_saves_only_its_inputs_output_and_logsumexp(capsys):
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
 def test_ring_attention_under_checkpoint(policy):
     q, k, v, dout = _inputs(2)
-    attn = jax.checkpoint(_attention("zigzag", "data2-seq4", True), policy=policy)
+    attn = jax.checkpoint(_attention("zigzag", "data2-seq4", True, block_size=4), policy=policy)   # 2 per half
     got = jax.jit(_forward_backward(attn))(q, k, v, dout)
     _close(got, _forward_backward(lambda q, k, v: reference(q, k, v, True))(q, k, v, dout), rtol=1e-5)
 
@@ -141,7 +150,7 @@ def test_ring_attention_in_a_scan_over_layers():
             return jnp.sum(jax.lax.scan(layer, x, weights)[0] * dout)
         return jax.grad(loss, argnums=(0, 1))
 
-    got = jax.jit(model(jax.checkpoint(_attention("ring", "seq8", True))))(weights, q)
+    got = jax.jit(model(jax.checkpoint(_attention("ring", "seq8", True, block_size=4))))(weights, q)
     want = model(lambda q, k, v: reference(q, k, v, True))(weights, q)
     _close(got, want, rtol=1e-5)
 
@@ -149,7 +158,7 @@ def test_ring_attention_in_a_scan_over_layers():
 @pytest.mark.parametrize("name", ["ulysses", "zigzag"])
 def test_bfloat16_inputs_run_with_float32_statistics(name):
     q, k, v, dout = _inputs(2, jnp.bfloat16)
-    got = jax.jit(_forward_backward(_attention(name, "data2-seq4", True)))(q, k, v, dout)
+    got = jax.jit(_forward_backward(_attention(name, "data2-seq4", True, block_size=4)))(q, k, v, dout)
     assert all(x.dtype == jnp.bfloat16 for x in got)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
     _close(got, _forward_backward(lambda q, k, v: reference(q, k, v, True))(*f32), rtol=2e-2)
@@ -187,3 +196,90 @@ def test_unknown_mesh_axis_and_options_are_refused():
         context.collectives("flash", q.shape, k.shape, q.dtype, {"seq": 8}, seq_axes=("seq",))
     with pytest.raises(ValueError, match=r"q_heads=8 is not a multiple of kv_heads=3"):
         context.allgather_attention(q, k[:, :, :3], v[:, :, :3], mesh=mesh, seq_axes="seq")
+    with pytest.raises(ValueError, match=r"ulysses_attention: block_size=0; give a positive int or a \(block_q"):
+        context.ulysses_attention(q, k, v, mesh=mesh, seq_axes="seq", block_size=0)
+
+
+@pytest.mark.parametrize("name,block_size", [("zigzag", 3), ("allgather", (4, 3)), ("ulysses", (3, 4))])
+def test_chunks_that_are_not_powers_of_two(name, block_size):
+    # Sequence 48 on data2-seq4: 12 a device, zigzag halves of 6.
+    q, k, v, dout = (x[:, :48] for x in _inputs(2))
+    got = jax.jit(_forward_backward(_attention(name, "data2-seq4", True, block_size=block_size)))(q, k, v, dout)
+    _close(got, jax.jit(_forward_backward(lambda q, k, v: reference(q, k, v, True)))(q, k, v, dout), rtol=1e-5)
+
+
+def _plain(q, k, v, causal, offset):
+    """Attention of queries at positions ``offset ..`` to keys from 0, with its logsumexp
+    ``[batch, kv_heads, group, seq]``."""
+    (b, sq, h, d), kv_heads = q.shape, k.shape[2]
+    k, v = (jnp.repeat(x, h // kv_heads, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    if causal:
+        s = jnp.where(offset + jnp.arange(sq)[:, None] >= jnp.arange(k.shape[1]), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1).reshape(b, -1, h // kv_heads, sq)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), lse
+
+
+@pytest.mark.parametrize("causal,block_size,traced", [(False, 4, False), (True, (2, 6), False), (True, (4, 3), True),
+                                                      (True, 5, True)])
+def test_flash_attention_and_its_logsumexp_with_their_gradients(causal, block_size, traced):
+    # Queries 16 .. 23 of 24 keys, the offset known or traced (all-gather's); 5 divides neither.
+    q, k, v, dout = _inputs(2)
+    q, k, v, dout = q[:, 16:24], k[:, :24], v[:, :24], dout[:, 16:24]
+    w = jax.random.normal(jax.random.key(2), (B, 2, H // 2, 8))
+
+    def loss(attn):
+        def f(q, k, v, offset):
+            out, lse = attn(q, k, v, offset)
+            return jnp.sum(out * dout) + jnp.sum(lse * w), (out, lse)
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+
+    def blockwise(q, k, v, offset):
+        return flash.attention(q, k, v, scale=1 / np.sqrt(D), causal=causal, q_offset=offset if traced else 16,
+                               block_size=block_size)
+
+    (_, got), got_grads = jax.jit(loss(blockwise))(q, k, v, 16)
+    (_, want), want_grads = jax.jit(loss(lambda q, k, v, offset: _plain(q, k, v, causal, 16)))(q, k, v, 16)
+    _close([*got, *got_grads], [*want, *want_grads], rtol=1e-5)
+
+
+def test_causal_chunk_pairs_wholly_masked_are_skipped():
+    assert len(flash.Mask(True, 4, 4).pairs(16, 16)[2]) == 10                  # a triangle: 4 * 5 / 2 of 16
+    assert len(flash.Mask(False, 4, 4).pairs(16, 16)[2]) == 16
+    assert len(flash.Mask(True, 4, 4, shifted=True).pairs(16, 16)[2]) == 16     # a traced offset: all, masked
+    assert flash.Mask(True, 5, 512).pairs(16, 16)[:2] == (16, 16)               # no chunk divides: whole
+    # Zigzag's cases: its own block (causal), an earlier one through the front half, a later one
+    # by the back rows; chunks cut from each half.
+    zigzag = context._Ring(None, None, causal=True, zigzag=True, block_q=4, block_k=4)
+    pairs = {kind: context._mask(zigzag, kind, 16).pairs(16, 16) for kind in context._cases(zigzag)}
+    assert [len(p[2]) for p in pairs.values()] == [10, 8, 8]
+    assert context._mask(zigzag, context._DIAG, 12).pairs(12, 12)[:2] == (6, 6)  # 4 does not divide 6
+
+
+def _largest(jaxpr) -> int:
+    """The bytes of the largest value any equation makes, in ``jaxpr`` and all jaxprs inside it."""
+    big = 0
+    for eqn in jaxpr.eqns:
+        big = max([big] + [int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in eqn.outvars])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    big = max(big, _largest(sub))
+    return big
+
+
+@pytest.mark.parametrize("name", ["zigzag", "allgather"])
+def test_no_device_holds_more_than_a_few_chunks_of_scores(name):
+    # Sequence 4096 on data2-seq4: a device holds batch 1, 4 heads (2 kv heads), 1024 positions.
+    block, local = 128, 1024
+    q, kv = jax.ShapeDtypeStruct((2, 4096, 4, 8), jnp.float32), jax.ShapeDtypeStruct((2, 4096, 2, 8), jnp.float32)
+    attn = _attention(name, "data2-seq4", True, block_size=block)
+    jaxpr = jax.make_jaxpr(_forward_backward(attn))(q, kv, kv, q).jaxpr
+    bodies = [e.params["jaxpr"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]   # per-device values
+    assert len(bodies) == 2                                                               # forward, backward
+    chunk_scores, whole_scores = 4 * block * block * 4, 4 * local * local * 4
+    largest = max(_largest(body) for body in bodies)
+    assert chunk_scores <= largest <= 2 * chunk_scores           # the walk saw the chunks' scores, no more
+    # What the planner's memory model holds (manual.body_peak: unfused, all values live at once).
+    assert max(body_peak(body) for body in bodies) < whole_scores / 4
