@@ -79,15 +79,21 @@ class Mask:
         return bq, bk, qi.astype(np.int32), kj.astype(np.int32)
 
 
-def _visit(mask: Mask, sq: int, sk: int, shift, body, carry, start):
+def _visit(mask: Mask, sq: int, sk: int, shift, body, carry, start, data):
     """``carry`` through ``body(carry, i, j, bq, bk, visible)`` at each visited chunk pair: ``i``,
     ``j`` the first row and column of the chunks, ``visible`` their ``[bq, bk]`` causal mask (None
     without ``causal``). One pair, the whole of both, is a plain call that may start from
-    ``carry=None``; a loop starts from ``start()`` where ``carry`` is None."""
+    ``carry=None``; a loop starts from ``start()`` where ``carry`` is None.
+
+    The masks are made from ``data`` too (an exact zero, :func:`_data_zero`): computed from
+    constants alone, they are the same in every layer of a scanned model, and JAX's partial
+    evaluation of that scan computes such values once outside it, every chunk pair's mask
+    stacked (Llama-3-8B at 131072 tokens: 32 GiB of masks a device)."""
     bq, bk, qi, kj = mask.pairs(sq, sk)
     if not len(qi):
         return start() if carry is None else carry
-    qp, kp = (jnp.asarray(p) for p in mask.positions(sq, sk))
+    zero = _data_zero(data)
+    qp, kp = (jnp.asarray(p) + zero for p in mask.positions(sq, sk))
 
     def visible(i, j):
         if not mask.causal:
@@ -103,6 +109,12 @@ def _visit(mask: Mask, sq: int, sk: int, shift, body, carry, start):
 
     carry = start() if carry is None else carry
     return lax.scan(step, carry, jnp.asarray(np.stack([qi, kj], 1)))[0]
+
+
+def _data_zero(x):
+    """An int32 zero computed from ``x`` (the sum of an empty slice of it): what depends on it
+    varies wherever ``x`` does; XLA folds it to the constant."""
+    return lax.stop_gradient(jnp.sum(lax.slice_in_dim(x, 0, 0, axis=0))).astype(jnp.int32)
 
 
 def _zeros(shape, like, value=0.0):
@@ -159,7 +171,7 @@ def fold(q, k, v, stats, *, scale: float, mask: Mask, shift=0):
         return (_set(m, 3, i, m_new), _set(l, 3, i, alpha * l_old + p.sum(-1)),
                 _set(acc, 3, i, alpha[..., None] * acc_old + pv))
 
-    return _visit(mask, q.shape[3], k.shape[1], shift, body, stats, start)
+    return _visit(mask, q.shape[3], k.shape[1], shift, body, stats, start, q)
 
 
 def finish(stats):
@@ -193,7 +205,7 @@ def grads(q, k, v, do, lse, delta, acc, *, scale: float, mask: Mask, shift=0):
         return (_set(dq, 3, i, _get(dq, 3, i, bq) + dq_c), _set(dk, 1, j, _get(dk, 1, j, bk) + dk_c),
                 _set(dv, 1, j, _get(dv, 1, j, bk) + dv_c))
 
-    return _visit(mask, q.shape[3], k.shape[1], shift, body, acc, start)
+    return _visit(mask, q.shape[3], k.shape[1], shift, body, acc, start, q)
 
 
 def grouped(x, kv_heads: int):
