@@ -283,3 +283,36 @@ def test_no_device_holds_more_than_a_few_chunks_of_scores(name):
     assert chunk_scores <= largest <= 2 * chunk_scores           # the walk saw the chunks' scores, no more
     # What the planner's memory model holds (manual.body_peak: unfused, all values live at once).
     assert max(body_peak(body) for body in bodies) < whole_scores / 4
+
+
+def test_a_scanned_model_keeps_no_stacked_masks_outside_its_attention():
+    # Masks made from constants alone are the same in every layer: JAX's partial evaluation of
+    # the layer scan would compute each chunk pair's mask once outside it, stacked (32 GiB a
+    # device for Llama-3-8B at 131072 tokens). Nothing the attention hands out may exceed q.
+    mesh = _mesh({"data": 2, "seq": 4})
+
+    def layer(x, w):
+        q = (x @ w).reshape(2, 512, 8, 16)
+        o = context.ulysses_attention(q, q, q, mesh=mesh, seq_axes=("seq",), batch_axes=("data",), causal=True,
+                                      block_size=64)
+        return x + o.reshape(2, 512, 128), None
+
+    def loss(ws, x):
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(jax.ShapeDtypeStruct((2, 128, 128), jnp.float32),
+                                           jax.ShapeDtypeStruct((2, 512, 128), jnp.float32))
+    outs = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "shard_map":
+                outs.extend(v.aval for v in e.outvars)
+                continue
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                        walk(getattr(sub, "jaxpr", sub))
+    walk(jaxpr.jaxpr)
+    assert outs and not any(a.dtype == jnp.bool_ for a in outs)
+    assert max(a.size for a in outs) <= 2 * 512 * 8 * 16
