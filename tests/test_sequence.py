@@ -144,14 +144,20 @@ def test_each_strategys_collectives_are_predicted_as_compiled(config):
         assert compiled[kind] == pytest.approx(nbytes, rel=1e-4, abs=16), kind
 
 
+SPLITS = [ContextConfig("allgather", seq_axes=("seq",), batch_axes=("data",)),
+          ContextConfig("ulysses", seq_axes=("seq",), batch_axes=("data",)),
+          ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag"),
+          ContextConfig("ring", seq_axes=("seq",), head_axes=("data",))]      # LoongTrain's 2-D mix
+
+
 @pytest.mark.parametrize("scan", [True, False])
-def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(scan):
+@pytest.mark.parametrize("config", SPLITS, ids=lambda c: c.describe())
+def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(config, scan):
     # llama-tiny-cp is llama-tiny (sequence 256) with shardplan.attention: split over the sequence
-    # by the ring, 3 AdamW steps match the einsum model's jit steps.
+    # each way, 3 AdamW steps match the einsum model's jit steps (the planner lays out the rest).
     from shardplan.models.train import reference
     cp, plain = reference("llama-tiny-cp", scan=scan), reference("llama-tiny-cp", scan=scan, attention="einsum")
     state, batch = cp.init(jax.random.key(0)), cp.batch(4)
-    config = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag")
     f = shardplan.auto(cp.train_step, mesh=make_jax_mesh(**MESH), hardware="h100-8", context=config)
     got, want = state, state
     for _ in range(3):
