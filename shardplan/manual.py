@@ -26,6 +26,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax.extend.core as jax_core
+
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
 
 Spec = tuple[tuple[str, ...], ...]
@@ -41,11 +43,16 @@ _COLLECTIVES = {"ppermute": COLLECTIVE_PERMUTE, "psum": ALL_REDUCE, "psum_invari
 @dataclasses.dataclass(frozen=True)
 class BodyCosts:
     """What one run of a manual body does on each device: its collectives (``Comm`` with runs a
-    step) and its matmul FLOPs with the bytes they read and write, by operand dtype name."""
+    step), its matmul FLOPs with the bytes they read and write, by operand dtype name, and the
+    HBM traffic of its other materialised values."""
 
     comms: tuple[tuple[Comm, float], ...] = ()
     flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dot_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Bytes of the values other ops read or write whole (reductions, slices, updates, transposes:
+    # each written once and read once, as :func:`shardplan.strategies.hbm_traffic` counts a
+    # step's); elementwise chains fuse and cost nothing. Priced at HBM bandwidth.
+    hbm_bytes: float = 0.0
 
 
 def _spec(pspec, rank: int) -> Spec:
@@ -97,6 +104,8 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
     comms: list[tuple[Comm, float]] = []
     flops: dict[str, float] = {}
     dot_bytes: dict[str, float] = {}
+    stored: set = set()              # values materialised in HBM (written once, read once)
+    hbm = 0.0
     # Value numbers of the body's values computed from the step's tensors alone (XLA's CSE: one
     # computation of the same values is one), for the ppermutes that other regions repeat.
     numbers = seen.setdefault("numbers", {}) if seen is not None else {}
@@ -105,7 +114,7 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         p = eqn.params
-        if seen is not None and not _sub_jaxprs(eqn) and all(_numbered(v, value) for v in eqn.invars):
+        if seen is not None and not _sub_jaxprs(eqn):
             key = (prim, repr(sorted(p.items())), tuple(_numbered(v, value) for v in eqn.invars))
             for k, v in enumerate(eqn.outvars):
                 value[v] = key + (k,)
@@ -115,8 +124,8 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
             axes = tuple(a for a in axes if isinstance(a, str) and mesh_sizes.get(a, 1) > 1)
             if not axes:
                 continue
-            if prim == "ppermute" and seen is not None and eqn.invars[0] in value:
-                key = value[eqn.invars[0]]
+            if prim == "ppermute" and seen is not None:
+                key = _numbered(eqn.invars[0], value)
                 if key in permuted:
                     continue
                 permuted.add(key)
@@ -134,6 +143,15 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
         else:
             subs = _sub_jaxprs(eqn)
             if not subs:
+                if prim in _SLICES:                 # reads its slice only
+                    hbm += sum(_nbytes(v.aval) for v in eqn.outvars)
+                elif prim in _UPDATES:              # in place: reads and writes the update only
+                    hbm += 2 * _nbytes(eqn.invars[1 if prim == "dynamic_update_slice" else 2].aval)
+                elif not _elementwise(eqn):
+                    for v in (*eqn.invars, *eqn.outvars):
+                        if not _literal(v) and v not in stored and hasattr(v.aval, "shape"):
+                            stored.add(v)
+                            hbm += 2 * _nbytes(v.aval)
                 continue
             inner = [body_costs(j, mesh_sizes) for j in subs]
             if prim == "cond":
@@ -144,41 +162,70 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
                 comms += [(cm, n * times) for cm, n in c.comms]
                 _add(flops, c.flops, times)
                 _add(dot_bytes, c.dot_bytes, times)
+                hbm += c.hbm_bytes * times
     for v, t in zip(jaxpr.outvars, results):
-        if t is not None and v in value:
-            numbers[t] = value[v]
-    return BodyCosts(tuple(comms), flops, dot_bytes)
+        if t is not None and not _literal(v):
+            numbers[t] = _numbered(v, value)
+    return BodyCosts(tuple(comms), flops, dot_bytes, hbm)
+
+
+_SLICES = {"dynamic_slice", "slice", "gather"}
+_UPDATES = {"dynamic_update_slice", "scatter", "scatter-add", "scatter_add"}
+# Ops with no HBM traffic of their own: index arithmetic, and the manual-axis bookkeeping.
+_FREE = {"axis_index", "iota", "pvary", "pcast", "stop_gradient", "convert_element_type", "broadcast_in_dim",
+         "squeeze", "expand_dims", "reshape", "select_n"}
+
+
+def _elementwise(eqn) -> bool:
+    """Whether XLA fuses ``eqn`` into its neighbours: one output the shape of each operand that
+    is not a scalar (or a free op); reductions, slices, updates, transposes and the like are not."""
+    if eqn.primitive.name in _FREE:
+        return True
+    if len(eqn.outvars) != 1 or not hasattr(eqn.outvars[0].aval, "shape"):
+        return False
+    shape = eqn.outvars[0].aval.shape
+    return all(not getattr(v.aval, "shape", ()) or v.aval.shape == shape for v in eqn.invars)
+
+
+def _literal(v) -> bool:
+    return isinstance(v, jax_core.Literal)
 
 
 def _numbered(v, value: dict):
-    """A value's number: a literal's value, else what :func:`body_costs` numbered it (or None)."""
-    if not hasattr(v, "count"):
-        return ("literal", repr(getattr(v, "val", v)))
-    return value.get(v)
+    """A value's number: a literal's value, else what :func:`body_costs` numbered it, else the
+    value itself (equal only to itself: what a call or a loop made)."""
+    if _literal(v):
+        return ("literal", repr(v.val))
+    return value.get(v, ("value", id(v)))
 
 
 def body_peak(jaxpr) -> float:
     """Bytes a manual body holds at once on a device beyond its inputs (they are the step's
-    tensors): its values live in program order, an inner loop's or branch's own peak on top of
-    what is live around it. Unfused, so an upper bound on what XLA keeps."""
+    tensors): its materialised values live in program order, an inner loop's or branch's own
+    peak on top of what is live around it. An elementwise result is fused into its reader and
+    held nowhere (as :func:`body_costs` prices its traffic)."""
     last: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if hasattr(v, "count"):          # a Var, not a Literal
+            if not _literal(v):
                 last[v] = i
     for v in jaxpr.outvars:
-        if hasattr(v, "count"):
+        if not _literal(v):
             last[v] = len(jaxpr.eqns)
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    held: set = set()
     live = peak = 0.0
     for i, eqn in enumerate(jaxpr.eqns):
         inner = max((body_peak(j) for j in _sub_jaxprs(eqn)), default=0.0)
-        made = sum(_nbytes(v.aval) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        fused = not _sub_jaxprs(eqn) and _elementwise(eqn)
+        kept = [v for v in eqn.outvars if hasattr(v.aval, "shape") and not fused]
+        made = sum(_nbytes(v.aval) for v in kept)
         peak = max(peak, live + inner + made)
-        live += made - sum(_nbytes(v.aval) for v in eqn.outvars if hasattr(v.aval, "shape") and v not in last)
-        for v in {v for v in eqn.invars if hasattr(v, "count")}:
-            if last.get(v) == i and v not in inputs:
+        live += sum(_nbytes(v.aval) for v in kept if v in last)
+        held.update(v for v in kept if v in last)
+        for v in {v for v in eqn.invars if not _literal(v)}:
+            if last.get(v) == i and v in held:
                 live -= _nbytes(v.aval)
+                held.discard(v)
     return peak
 
 

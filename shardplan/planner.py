@@ -410,11 +410,11 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results)
         for c, runs in costs.comms:
             account([(c, model.collective_time(c) * runs * r.mult)], runs * r.mult, r.out)
-        for dtype, flops in costs.flops.items():
-            t = model.compute_time(flops, costs.dot_bytes[dtype], dtype) * r.mult
-            compute += t
-            if r.out is not None:
-                cost_of[r.out] += t
+        seconds = costs.hbm_bytes / mesh.device.hbm_bandwidth
+        seconds += sum(model.compute_time(flops, costs.dot_bytes[dtype], dtype) for dtype, flops in costs.flops.items())
+        compute += seconds * r.mult
+        if r.out is not None:
+            cost_of[r.out] += seconds * r.mult
     if compiler_kind(mesh) != "cpu":         # XLA's CPU pipeline does not reassociate all-reduces
         _reassociated(graph, all_reduced, account)
     for t in graph.tensors:
