@@ -113,3 +113,24 @@ def test_a_partly_manual_shard_map_is_gathered_with_a_warning_and_still_right():
         got = f(w, x)
     want = jax.jit(step)(w, x)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+
+
+def test_body_traffic_counts_what_xla_materialises():
+    # Per device: a [8, 64] f32 shard. The reduction reads its operand and writes its result;
+    # the loop's in-place update moves only the [1, 64] row it writes, 4 times; the slice
+    # reads its row; the elementwise chain (exp, mul) is fused and moves nothing.
+    mesh = make_jax_mesh(("x",), (8,))
+
+    def body(a):
+        def trip(buf, i):
+            row = jax.lax.dynamic_slice_in_dim(a, i, 1, 0)
+            return jax.lax.dynamic_update_slice_in_dim(buf, jnp.exp(row) * 2.0, i, 0), None
+        buf = jax.lax.scan(trip, jnp.zeros_like(a), jnp.arange(4))[0]
+        return jnp.sum(buf, axis=0, keepdims=True)
+
+    region = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    jaxpr = jax.make_jaxpr(region)(jnp.ones((64, 64)))
+    [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    costs = body_costs(eqn.params["jaxpr"], {"x": 8})
+    row, shard = 64 * 4, 8 * 64 * 4
+    assert costs.hbm_bytes == 4 * (row + 2 * row) + 2 * shard + 2 * row
