@@ -318,7 +318,7 @@ class AutoFunction:
                  pipeline=None, remat=None, context=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
         self.pipeline = None if pipeline == "off" else pipeline
-        self.context = None if context == "off" else context
+        self.context = sequence.check_setting(context)
         self.remat = _remat_setting(remat)
         self.cache = cache
         self.fn = fn
@@ -595,7 +595,7 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     options = PlannerOptions(time_limit=time_limit)
     trace = functools.partial(trace_step, fn, args, kwargs, call)
     remat = _remat_setting(remat)
-    context = None if context == "off" else context
+    context = sequence.check_setting(context)
     p, _ = share_plan(lambda: _plan_search(trace, mesh_spec, memory_budget, options, cache, pipeline, remat, context),
                       lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
     return p

@@ -117,7 +117,8 @@ def _layout(fn: str, q_shape, kv_shape, axis_sizes: dict, batch_axes, seq_axes, 
     for dim, index, length, axes, mult in checks:
         parts = size(axes) * mult
         if length % parts:
-            why = f" times {mult} (the zigzag layout cuts it into 2n chunks)" if mult > 1 else ""
+            why = f" times {mult} (the zigzag layout cuts it into 2n chunks; load_balance=None does not)" \
+                if mult > 1 else ""
             raise ContextParallelError(
                 f"{fn}: the {dim} dimension (array axis {index}, size {length}) is split over mesh axes {axes} "
                 f"of size {size(axes)}{why}, which does not divide it; pad {dim} to a multiple of {parts} "

@@ -215,12 +215,22 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
 def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
     """``shard_map``: each operand resharded to its ``in_specs`` entry, each result held at its
     ``out_specs`` entry; the body's own costs are read at planning (:mod:`shardplan.manual`).
-    False (no rule) where the region leaves some of its mesh axes automatic."""
+    Where the region leaves some of its mesh axes automatic, its operands are gathered to
+    replicated (a warning says why)."""
     region = eqn.params["mesh"]
     sizes = dict(zip(region.axis_names, region.axis_sizes))
     specs = region_specs(eqn, sizes)
     if specs is None:
-        return False
+        auto = sorted(set(region.axis_names) - set(eqn.params.get("newly_manual_axes") or ()))
+        g.warn_once(f"shard_map {source_of(eqn, g.call_source)}",
+                    f"shardplan: the shard_map at {source_of(eqn, g.call_source)} leaves mesh axes {auto} automatic "
+                    "(axis_names=), which the planner cannot plan around: its operands are gathered to replicated "
+                    "(correct, maybe slow); make it manual over every mesh axis to have it planned around")
+        for o in outs:
+            for t in ins:
+                if t is not None and _rank(g, t):
+                    edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+        return True
     in_specs, out_specs = specs
     source = source_of(eqn, g.call_source)
     ranked = [o for o in outs if o is not None and _rank(g, o)]

@@ -41,9 +41,17 @@ class ContextConfig:
     load_balance: LoadBalance | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        try:
+            object.__setattr__(self, "strategy", Strategy(self.strategy))
+        except ValueError:
+            raise ShardplanError(f"ContextConfig: strategy={self.strategy!r} is not one of "
+                                 f"{', '.join(repr(x.value) for x in Strategy)}") from None
         if self.load_balance is not None:
-            object.__setattr__(self, "load_balance", LoadBalance(self.load_balance))
+            try:
+                object.__setattr__(self, "load_balance", LoadBalance(self.load_balance))
+            except ValueError:
+                raise ShardplanError(f"ContextConfig: load_balance={self.load_balance!r} is not one of None, "
+                                     f"{', '.join(repr(x.value) for x in LoadBalance)}") from None
         for name in ("seq_axes", "batch_axes", "head_axes"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
@@ -183,6 +191,13 @@ def traced_in(trace, config: ContextConfig | None, axis_names, axis_sizes, use: 
             use.sites.extend(met.sites)
         return traced
     return run
+
+
+def check_setting(setting):
+    """``setting`` as ``context=`` takes it: ``None``, ``"off"``, ``"auto"`` or a :class:`ContextConfig`."""
+    if setting is None or isinstance(setting, ContextConfig) or (isinstance(setting, str) and setting in ("auto", "off")):
+        return None if setting == "off" else setting
+    raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
 
 
 def search(trace, plan_one, mesh_spec, setting, pipeline=None):

@@ -112,6 +112,12 @@ def test_bad_context_settings_say_what_works():
         _planned(step, args, "sideways")
     with pytest.raises(shardplan.ShardplanError, match="seq_axes is empty"):
         ContextConfig("ring", seq_axes=())
+    with pytest.raises(shardplan.ShardplanError, match="strategy='zigzag' is not one of 'allgather', 'ulysses', 'ring'"):
+        ContextConfig("zigzag", seq_axes=("seq",))
+    with pytest.raises(shardplan.ShardplanError, match="load_balance='zig' is not one of None, 'zigzag'"):
+        ContextConfig("ring", seq_axes=("seq",), load_balance="zig")
+    with pytest.raises(shardplan.ShardplanError, match="context='ring': give 'auto'"):
+        shardplan.auto(step, mesh=make_jax_mesh(**MESH), context="ring")      # at once, not at the first call
     with pytest.raises(shardplan.ShardplanError, match="not planned together with a pipeline"):
         _planned(step, args, "auto", pipeline=2)
 
