@@ -45,7 +45,7 @@ def rope(x: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """The attention half of a layer (pre-norm, RoPE, grouped-query attention, residual) and the
     norm before its MLP: what a Llama layer and an MoE layer (:mod:`shardplan.models.moe`) share.
-    ``cfg`` needs ``d_model``, ``n_heads``, ``n_kv_heads``, ``dtype`` and ``rope_theta``."""
+    ``cfg`` needs ``d_model``, ``n_heads``, ``n_kv_heads``, ``dtype``, ``rope_theta`` and ``attention``."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, dt, hd = cfg.d_model, jnp.dtype(cfg.dtype), cfg.d_model // cfg.n_heads
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
         q = rope(self.wq(h).reshape(b, s, cfg.n_heads, hd), cfg.rope_theta)
         k = rope(self.wk(h).reshape(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
         v = self.wv(h).reshape(b, s, cfg.n_kv_heads, hd)
-        attend = causal_attention if getattr(cfg, "attention", "einsum") == "einsum" else \
+        attend = causal_attention if cfg.attention == "einsum" else \
             functools.partial(shardplan.attention, causal=True)
         return constrain(x + self.wo(attend(q, k, v).reshape(b, s, d)), ("batch", "seq", "embed"))
 

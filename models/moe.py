@@ -69,6 +69,7 @@ class MoEConfig:
     dtype: str = "float32"
     remat: str = "none"               # activation recomputation per layer: shardplan.models.layers.REMAT_POLICIES
     rope_theta: float = 1000000.0
+    attention: str = "einsum"         # as LlamaConfig.attention: "einsum" or "shardplan"
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.n_experts:

@@ -230,12 +230,7 @@ def body_peak(jaxpr) -> float:
 
 
 def _sub_jaxprs(eqn) -> list:
-    out = []
-    for key, value in eqn.params.items():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            j = getattr(v, "jaxpr", v)
-            if hasattr(j, "eqns"):
-                out.append(j)
-            if key == "cond_jaxpr":       # a while loop's condition: no collectives worth pricing
-                out.pop()
-    return out
+    """The jaxprs an equation runs (a while loop's condition aside: nothing worth pricing)."""
+    values = [v for key, value in eqn.params.items() if key != "cond_jaxpr"
+              for v in (value if isinstance(value, (tuple, list)) else (value,))]
+    return [j for j in (getattr(v, "jaxpr", v) for v in values) if hasattr(j, "eqns")]

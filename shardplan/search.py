@@ -1,0 +1,187 @@
+"""The outer search around the ILP: the step traced and planned once per candidate pipeline
+(:mod:`shardplan.pipeline_search`), recomputation policy (:mod:`shardplan.recompute`) and way
+to split its attention over the sequence (:mod:`shardplan.sequence`), the lowest predicted step
+that fits the budget kept; and a plan's step traced again as it was made."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+
+from shardplan import cache as plan_cache
+from shardplan import pipeline_search, recompute, sequence
+from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
+from shardplan.mesh import MeshSpec
+from shardplan.pipeline import PipelineError
+from shardplan.plan import Plan
+from shardplan.planner import PlannerOptions, plan_jaxpr
+from shardplan.progress import Status
+from shardplan.sizes import parse_bytes
+from shardplan.trace import TracedStep
+
+
+def budget_for(memory_budget, mesh_spec: MeshSpec) -> int:
+    """Bytes per device: the given budget, or what a program may allocate on the device
+    (:attr:`~shardplan.mesh.Device.budget_bytes`)."""
+    return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.budget_bytes
+
+
+def plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions, cache=True):
+    """Plan a traced step, or read its plan back from the on-disk cache (:mod:`shardplan.cache`)."""
+    directory = plan_cache.cache_dir(cache)
+    key = plan_cache.plan_key(traced, mesh_spec, budget, options) if directory else ""
+    cached = plan_cache.load(directory, key)
+    p, graph = plan_jaxpr(traced.closed, traced.names, traced.arg_of, mesh_spec, budget, donated=traced.donated,
+                          options=options, in_tree=traced.arg_tree, out_tree=traced.out_tree,
+                          state_pairs=traced.state_pairs, out_names=traced.out_names, cached=cached)
+    if cached is None:
+        plan_cache.store(directory, key, p)
+    return p, graph
+
+
+class _NoLayerScan(PipelineError):
+    """The step has no layer_scan: no candidate pipeline applies."""
+
+
+def remat_setting(remat):
+    """``remat=`` checked: ``None``, ``"auto"``, a policy name or ``{class key: policy}``."""
+    if remat is None or remat == "auto":
+        return remat
+    if not isinstance(remat, (str, dict)):
+        raise recompute.RecomputeError(f"remat={remat!r}: give 'auto', None or a policy name "
+                                       f"({', '.join(recompute.POLICIES)})")
+    with recompute.recomputing(remat):     # checks every name
+        pass
+    return remat
+
+
+def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes):
+    """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
+    none; the traced step is ``None`` where it has no layer_scan to pipeline) with recomputation
+    ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the step as written)."""
+    with contextlib.ExitStack() as stack:
+        sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
+        traced = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
+    return traced, sites
+
+
+def _remat_record(sites: dict, choices) -> dict | None:
+    """``Plan.remat`` for a step traced under ``choices`` meeting ``sites``."""
+    if choices is None:
+        return None
+    pick = (lambda k: choices) if isinstance(choices, str) else \
+        (lambda k: choices.get(k, recompute.USER if sites[k].checkpointed else "none"))
+    return {"sites": [site.to_json(pick(k)) for k, site in sites.items()]}
+
+
+def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
+                 cache, setting, remat=None, context=None) -> tuple[Plan, tuple]:
+    """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
+    ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
+    recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
+    policy}``: that one), and with ``context``, every way to run its attention
+    (:func:`shardplan.sequence.search`); the lowest predicted step that fits the budget kept."""
+    if context is not None:
+        return sequence.search(trace, lambda t: plan_search(t, mesh_spec, memory_budget, options, cache, setting,
+                                                              remat), mesh_spec, context, setting)
+    cands, deeper = pipeline_search.rounds(mesh_spec, setting, trace, budget_for(memory_budget, mesh_spec))
+    if deeper:
+        cands.append(None)            # here: deeper pipelines follow where nothing before fitted
+    best, failures, no_layers = None, [], False
+
+    met = {}             # the layer classes of the last trace, kept when its plan does not fit
+
+    def plan_in(cand, choices, beat=math.inf):
+        """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
+        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower)."""
+        traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes)
+        met.clear()
+        met.update(sites)
+        if traced is None:
+            raise _NoLayerScan("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
+                                "layer_scan where the model scans its layers, or plan with pipeline='off')")
+        budget = budget_for(memory_budget, cand.mesh)
+        p = None
+        if beat < math.inf:
+            p, graph = plan_traced(traced, cand.mesh, math.inf, options, cache)
+            if p.cost.step_s >= beat:
+                return None
+            if p.cost.memory_bytes > budget:
+                p = None
+        if p is None:
+            p, graph = plan_traced(traced, cand.mesh, budget, options, cache)
+        return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
+                                   remat=_remat_record(sites, choices)), (graph, traced), sites
+
+    for k, cand in enumerate(cands):
+        if cand is None:
+            if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
+                with Status() as line:
+                    line.done("no pipeline of up to 16 stages fits: trying deeper ones")
+                cands += deeper
+            continue
+        if cand.config is not None and len(cands) > 1:
+            with Status() as line:
+                line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
+        try:
+            if remat != "auto":
+                got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
+                found = [] if got is None else [got[:2]]      # None: no faster than the best so far
+            else:
+                made = {}
+
+                def evaluate(choices, beat=math.inf, cand=cand, made=made):
+                    try:
+                        found = plan_in(cand, choices, beat)
+                    except InfeasibleBudgetError as e:
+                        failures.append(e)
+                        return None
+                    if found is None:
+                        return None
+                    made[id(found[0])] = found[:2]
+                    return found[0]
+
+                def say(text):
+                    with Status() as line:
+                        line.done(f"recomputation candidate: {text}")
+
+                first = evaluate({})                 # the step as written: meets its layer classes
+                sites = dict(met)
+                no_layers = no_layers or not sites
+                if sites:
+                    _, first, _ = recompute.search(evaluate, sites, say=say, first=first)
+                found = [] if first is None else [made[id(first)]]
+        except (PipelineError, InfeasibleBudgetError) as e:
+            failures.append(e)
+            if isinstance(e, _NoLayerScan):
+                break              # no other pipeline applies either
+            continue
+        for p, rest in found:
+            if best is None or p.cost.step_s < best[0].cost.step_s:
+                best = (p, rest)
+    if best is None:
+        # The least memory any candidate needed, else why none applied.
+        infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
+        raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+    if no_layers and not (best[0].remat or {}).get("sites"):
+        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
+            "remat='auto': the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
+            "recomputation could be chosen; the step is planned as written",)), best[1])
+    return best
+
+
+def traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
+    """The step traced as ``plan`` was made: inside its pipeline, if it has one, with its recomputation."""
+    choices = None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
+    if plan.context is not None:
+        trace = sequence.traced_in(trace, plan.context_config(), plan.axis_names, plan.axis_sizes)
+    traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
+    if traced is None:
+        raise PlanMismatchError("the plan pipelines the step's layer_scan, but this step has none")
+    missing = [s["where"] for s in (plan.remat or {}).get("sites", ()) if s["key"] not in sites]
+    if missing:
+        raise PlanMismatchError(f"the plan recomputes the layer class at {missing[0]}, which this step does not "
+                                "have (same code line and layer shapes): plan the step again")
+    return traced
