@@ -5,7 +5,8 @@ the plan gives a spec is constrained to it, and the operands and result of each 
 are constrained to the specs of the dot's chosen strategy (the result first to the spec the
 strategy computes, then to the tensor's own), so XLA's partitioner runs the strategy the plan
 priced instead of resharding an operand to suit the result. Bodies of ``scan``, ``while``, ``cond`` and ``remat`` are rebuilt
-with their constraints inside; other calls are inlined.
+with their constraints inside; other calls are inlined, bar the pipeline's stage shift
+(:data:`~shardplan.walk.SHIFT_CALL`), bound whole with its result constrained.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding
 from shardplan.cost import Spec, reshard_steps, to_partition_spec
 from shardplan.graph import Graph
 from shardplan.rewrites import emit
-from shardplan.walk import CALL_PRIMITIVES, body_prefix, eqn_path, sub_jaxpr
+from shardplan.walk import CALL_PRIMITIVES, body_prefix, eqn_path, is_shift, sub_jaxpr
 
 _REBUILT_CALLS = {"remat2", "checkpoint", "remat"}
 
@@ -102,7 +103,7 @@ class _Emitter:
                         env[v] = x
                     continue
                 params["jaxpr"] = new.jaxpr
-            elif name in CALL_PRIMITIVES:
+            elif name in CALL_PRIMITIVES and not is_shift(eqn):
                 # Inlined: its results are its body's, constrained there.
                 body, body_consts = sub_jaxpr(eqn)
                 for v, x in zip(eqn.outvars, self.eval(body, body_consts, ins, inner)):

@@ -14,7 +14,8 @@ pipeline over one mesh axis, the stage axis:
 * one loop of ``microbatches * repeats + stages - 1`` iterations: every stage runs its chunk of
   layers on the microbatch it holds (a ``vmap`` over the stage dimension, sharded over the stage
   axis), then the results move one stage on (a roll of the stage dimension, which XLA's
-  partitioner emits as a collective-permute); stage 0 takes the next microbatch, or under the
+  partitioner emits as a collective-permute of one stage's state; its gradient is the roll back,
+  another, where JAX's own transpose of a roll would move two); stage 0 takes the next microbatch, or under the
   circular schedule the one coming back from the last stage for its next repeat.
 
 The backward pass is the transpose of that loop, which JAX derives: the microbatches flow back
@@ -39,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan import recompute
 from shardplan.errors import ShardplanError
+from shardplan.walk import SHIFT_CALL
 
 
 class Schedule(enum.Enum):
@@ -219,6 +221,27 @@ def layer_scan(f, init, xs, length: int | None = None):
     return _pipeline(f, init, xs, config, mesh), None
 
 
+def _rolled(a, shift: int):
+    return jnp.roll(a, shift, axis=0)
+
+
+# A jitted call under this name is one op to the planner (:mod:`shardplan.walk`): the stage
+# dimension rolled, its sharding kept, a collective-permute where that dimension is split.
+_rolled.__name__ = _rolled.__qualname__ = SHIFT_CALL
+_roll_call = jax.jit(_rolled, static_argnums=1)
+
+
+@jax.custom_vjp
+def stage_shift(a):
+    """``a`` with its leading (stage) dimension rolled by one: what stage ``s`` held, stage
+    ``s + 1`` holds. Its gradient rolls back by one (JAX's transpose of a roll, a split and two
+    pads, would be partitioned as two collective-permutes)."""
+    return _roll_call(a, 1)
+
+
+stage_shift.defvjp(lambda a: (_roll_call(a, 1), None), lambda _, g: (_roll_call(g, -1),))
+
+
 def _constrain(x, mesh, axis: str | None):
     """``x`` with its leading dimension on ``axis`` (``None``: whole) and the rest left to XLA."""
     spec = PartitionSpec(axis, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
@@ -248,7 +271,9 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     if mb % D:
         raise PipelineError(f"microbatches of {mb} rows (a batch of {batch} in {M}) do not split into "
                             f"replicas={D} groups; use replicas dividing {mb}")
-    ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, jax.tree.map(lambda a: a[0], xs))
+    # One layer's shapes, not a slice of the stack (a traced slice would stay in the step).
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+    ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, layer)
     if jax.tree.leaves(ys):
         raise PipelineError("under a pipeline the layer_scan body must return (carry, None): per-layer outputs "
                             "are not collected")
@@ -316,7 +341,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         finished = (done >= 0) & (done < M * R)
         outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, groups(a[S - 1], 0), jnp.maximum(done, 0) % M), o),
                                outputs, out)
-        state = jax.tree.map(lambda a: _constrain(jnp.roll(a, 1, axis=0), mesh, config.axis), out)
+        state = jax.tree.map(lambda a: _constrain(stage_shift(a), mesh, config.axis), out)
         return (state, outputs), None
 
     (_, outputs), _ = jax.lax.scan(iteration, (state, outputs), jnp.arange(config.iterations))

@@ -390,6 +390,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 if ie is not None and ie.required(need) != spec_of[ie.src]:
                     operand_pins[(graph.tensors[ie.src].path, graph.tensors[e.dst].path)] = ie.required(need)
             account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
+    for t in graph.shifts:
+        account(enum.shift_comms(t, spec_of[t]), graph.tensors[t].mult, t)
     compute = 0.0
     dot_operands = {}
     for k, dot in enumerate(graph.dots):

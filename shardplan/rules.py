@@ -12,7 +12,7 @@ from __future__ import annotations
 from shardplan.graph import DotOp, Graph, ManualRegion, PairEdge
 from shardplan.manual import MANUAL_PRIMITIVE, body_peak, region_specs
 from shardplan.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
-from shardplan.walk import source_of
+from shardplan.walk import is_shift, source_of
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -187,6 +187,17 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         return
 
     if prim == MANUAL_PRIMITIVE and _manual_rule(g, eqn, ins, outs, mult, edge):
+        return
+
+    if is_shift(eqn):
+        # The pipeline's stage shift: its result keeps its operand's sharding; where the rolled
+        # dimension is split, XLA moves each device's edge rows on (a collective-permute,
+        # priced per spec by the strategies' enumerator). One of constants alone (partial
+        # evaluation's known part) is computed where it is used and moves nothing.
+        if not ins or ins[0] is None:
+            return
+        g.union(ins[0], out)
+        g.shifts[out] = 0
         return
 
     if prim == "iota" or not operands:

@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from shardplan.cost import REDUCE_OP, Comm, CostModel, Spec
+from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
@@ -39,6 +39,8 @@ def hbm_traffic(graph: Graph) -> dict[int, int]:
         traffic[e.src] = traffic[e.dst] = 2
     for d in graph.dots:
         traffic.setdefault(d.out, 0)
+    for t in graph.shifts:              # a roll reads its operand and writes its result
+        traffic[t] = 2
     for t in graph.inputs:
         traffic[t] = max(traffic.get(t, 0), 1)
     for t in graph.outputs:
@@ -314,6 +316,19 @@ class Enumerator:
                     if moved[i, j] > 0:
                         moved[i, j] = min(moved[i, j], after[k, j])
 
+    def shift_comms(self, tid: int, spec: Spec) -> list[tuple[Comm, float]]:
+        """The collectives of a rolled tensor (:attr:`Graph.shifts`, the pipeline's stage shift)
+        of this spec, each with its seconds per step: where the rolled dimension is split, each
+        device sends the row it holds last to the next device along those axes (one
+        collective-permute of a row of its shard); nothing moves where it is whole."""
+        t = self.g.tensors[tid]
+        axes = spec[self.g.shifts[tid]]
+        if not axes:
+            return []
+        rows = -(-t.shape[self.g.shifts[tid]] // self.m.shards(axes))
+        c = Comm(COLLECTIVE_PERMUTE, tuple(axes), self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec) / rows)
+        return [(c, t.mult * self.m.collective_time(c))]
+
     def input_seconds(self, tid: int, spec: Spec) -> float:
         """Seconds per step the hosts spend loading an input (the batch) of this spec: each node
         loads its share (:meth:`MeshSpec.node_shards`), all nodes at once. The same for every
@@ -421,6 +436,8 @@ class Enumerator:
                 per_dev = np.array([self._bytes(t, s) for s in specs])
                 if t in self.fed:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
+                if t in g.shifts:
+                    cost += np.array([sum(sec for _, sec in self.shift_comms(t, s)) for s in specs])
                 cost += self.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += per_dev * heap

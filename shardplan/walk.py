@@ -21,6 +21,14 @@ from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, peak
 
 CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+# The name of a jitted roll of a leading dimension by one (the pipeline's stage shift,
+# :func:`shardplan.pipeline.stage_shift`): walked as one op, not inlined (:mod:`shardplan.rules`).
+SHIFT_CALL = "shardplan_stage_shift"
+
+
+def is_shift(eqn) -> bool:
+    """Whether ``eqn`` is a call of :data:`SHIFT_CALL` (kept whole: walked and emitted as one op)."""
+    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == SHIFT_CALL
 
 
 _LIBRARY_DIRS = tuple(f"{os.sep}{d}{os.sep}" for d in ("flax", "optax", "jax", "jaxlib"))
@@ -106,7 +114,7 @@ class _Walker:
                     level.last_use[t] = i
             prim = eqn.primitive.name
             here = eqn_path(prefix, position, eqn)
-            if prim in CALL_PRIMITIVES:
+            if prim in CALL_PRIMITIVES and not is_shift(eqn):
                 body, _ = sub_jaxpr(eqn)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
                 g.prefix = body_prefix(here, eqn)
