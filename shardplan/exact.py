@@ -235,11 +235,24 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
     def fixed(choice: list[int]) -> Problem:
         return restricted([[c] for c in choice])
 
+    moves: dict[tuple, list] = {}
+
+    def movable(block):
+        """Per node: each option's placement of the axes outside ``block``, and the options
+        sharing each (what a step may choose among: the ``block`` axes move, the rest stay)."""
+        if block not in moves:
+            per_node = []
+            for p in placements:
+                keys = [tuple(sorted((a, w) for a, w in q.items() if a not in block)) for q in p]
+                same: dict[tuple, list[int]] = {}
+                for i, k in enumerate(keys):
+                    same.setdefault(k, []).append(i)
+                per_node.append((keys, same))
+            moves[block] = per_node
+        return moves[block]
+
     def step(block, choice, max_entries):
-        allowed = []
-        for n, p in enumerate(placements):
-            keep = {a: w for a, w in p[choice[n]].items() if a not in block}
-            allowed.append([i for i, q in enumerate(p) if {a: w for a, w in q.items() if a not in block} == keep])
+        allowed = [same[keys[choice[n]]] for n, (keys, same) in enumerate(movable(block))]
         if all(len(ok) == 1 for ok in allowed):
             return None
         sub = restricted(allowed)
