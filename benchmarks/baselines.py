@@ -34,7 +34,8 @@ batch, on a mesh with axes ``data`` and ``model``:
   ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
   parallel over the rest, run as shardplan's SPMD pipeline (:mod:`shardplan.pipeline`) with
-  microbatches of one sequence per data-parallel rank as in the Megatron paper. Its interleaved
+  microbatches of one sequence per data-parallel rank as in the Megatron paper, and Megatron's
+  sequence parallelism (each layer's residual stream split over the sequence on ``model``). Its interleaved
   schedule is the circular one with 2 rounds where the layers split that way; each data rank
   keeps its copy of its stage's weights and their gradients are summed once a step
   (``replicas``). The harness tries each stage count that divides the nodes and the layers and

@@ -355,8 +355,13 @@ def _megatron_3d(cell: Cell, ref, state, batch, mesh_spec, target: str, budget: 
         jitted = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None),
                          donate_argnums=(0,))
         label = f"megatron-3d (PP {stages}, {micro} microbatches, {config.schedule.value})"
+        # Megatron's sequence parallelism (Korthikanti et al. 2022): the residual stream split
+        # over the sequence on the tensor-parallel axis (the layers' own constraints), so each
+        # layer input the pipeline stashes is a 1/TP slice.
+        rules = activation_sharding(mesh, {"seq": "model", "embed": None}) if inner.get("model", 1) > 1 else \
+            contextlib.nullcontext()
         try:
-            with pipelined(config, mesh):
+            with pipelined(config, mesh), rules:
                 lowered = jitted.lower(state, batch)
             row = Row(cell.id, label, **price_compiled(lowered.compile(), staged, mesh))
         except Exception as e:       # noqa: BLE001 - a stage count XLA cannot compile: say so, try the next
