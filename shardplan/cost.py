@@ -11,6 +11,7 @@ array dimension, each entry the tuple of mesh axes (in mesh order) that shard th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
@@ -492,3 +493,19 @@ class CostModel:
         """Roofline: the larger of FLOPs over peak FLOP/s and bytes moved over HBM bandwidth."""
         device = self.mesh.device
         return max(flops / device.flops_for(dtype_name), nbytes / device.hbm_bandwidth)
+
+
+_SHARED: collections.OrderedDict[str, CostModel] = collections.OrderedDict()
+
+
+def shared_model(mesh: MeshSpec) -> CostModel:
+    """The :class:`CostModel` of ``mesh``, one per mesh among the last few planned on: a search
+    that plans one step many times on a mesh (each candidate pipeline of one stage count,
+    each recomputation or attention split) prices each pair of specs once. Pure, so sharing
+    changes no answer."""
+    key = repr(mesh)
+    model = _SHARED.pop(key, None) or CostModel(mesh)
+    _SHARED[key] = model
+    while len(_SHARED) > 4:
+        _SHARED.popitem(last=False)
+    return model

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Sequence
 
 
-from shardplan.cost import COLLECTIVE_KINDS, CostModel, Spec
+from shardplan.cost import COLLECTIVE_KINDS, Spec, shared_model
 from shardplan.errors import InfeasibleBudgetError, ShardplanError
 from shardplan.exact import lagrangian_start, lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph
@@ -81,7 +81,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
                       stacklevel=3)
     _check_manual_meshes(graph, mesh)
     donated_outputs = _donated_outputs(graph, donated)
-    model = CostModel(mesh)
+    model = shared_model(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
     # Inputs the hosts load every step: beyond the first argument (the state), neither returned
     # anew nor donated (the batch).
