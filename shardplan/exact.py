@@ -236,14 +236,15 @@ def solve_by_axis_blocks(options: Sequence[Sequence], restricted: Callable[[list
         return restricted([[c] for c in choice])
 
     moves: dict[tuple, list] = {}
+    items = [[tuple(sorted(q.items())) for q in p] for p in placements]
 
     def movable(block):
         """Per node: each option's placement of the axes outside ``block``, and the options
         sharing each (what a step may choose among: the ``block`` axes move, the rest stay)."""
         if block not in moves:
             per_node = []
-            for p in placements:
-                keys = [tuple(sorted((a, w) for a, w in q.items() if a not in block)) for q in p]
+            for node in items:
+                keys = [tuple(x for x in it if x[0] not in block) for it in node]
                 same: dict[tuple, list[int]] = {}
                 for i, k in enumerate(keys):
                     same.setdefault(k, []).append(i)
