@@ -14,8 +14,9 @@ A region whose mesh has an axis the planning mesh lacks, or of another size, or 
 of its mesh's axes automatic, is treated as an op without a rule (its operands gathered to
 replicated, with a warning).
 
-Its temporaries (:func:`body_peak`) are held at every memory checkpoint: an upper bound, since
-the region runs at one point of the step.
+Its temporaries (:func:`body_peak`: what XLA's GPU compiler holds beyond the region's operands
+and results) are held at every memory checkpoint: an upper bound, since the region runs at one
+point of the step.
 
 >>> costs = body_costs(eqn.params["jaxpr"], {"seq": 4})      # doctest: +SKIP
 """
@@ -29,6 +30,8 @@ from collections.abc import Mapping
 import jax.extend.core as jax_core
 
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
+from shardplan.liveness import FUSIBLE, REDUCTIONS
+from shardplan.walk import CALL_PRIMITIVES, sub_jaxpr
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -170,6 +173,8 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
 
 
 _SLICES = {"dynamic_slice", "slice", "gather"}
+# Ops whose result is its operand's buffer seen another way (XLA's bitcasts and no-ops).
+_VIEWS = {"reshape", "squeeze", "expand_dims", "pvary", "pcast", "stop_gradient"}
 _UPDATES = {"dynamic_update_slice", "scatter", "scatter-add", "scatter_add"}
 # Ops with no HBM traffic of their own: index arithmetic, and the manual-axis bookkeeping.
 _FREE = {"axis_index", "iota", "pvary", "pcast", "stop_gradient", "convert_element_type", "broadcast_in_dim",
@@ -187,6 +192,25 @@ def _elementwise(eqn) -> bool:
     return all(not getattr(v.aval, "shape", ()) or v.aval.shape == shape for v in eqn.invars)
 
 
+def _fused(eqn) -> bool:
+    """Whether ``eqn`` is a free op (a broadcast, a convert ...) or elementwise
+    (:data:`shardplan.liveness.FUSIBLE` less reductions and transposes) with each operand a
+    scalar, the result's shape or one it broadcasts from (size 1 where the result has more:
+    ``x - m[..., None]``)."""
+    prim = eqn.primitive.name
+    if prim in _FREE:
+        return True
+    if prim not in FUSIBLE or prim in REDUCTIONS or prim == "transpose":
+        return False
+    if len(eqn.outvars) != 1 or not hasattr(eqn.outvars[0].aval, "shape"):
+        return False
+    shape = eqn.outvars[0].aval.shape
+
+    def fits(s):
+        return not s or s == shape or (len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)))
+    return all(fits(getattr(v.aval, "shape", ())) for v in eqn.invars)
+
+
 def _literal(v) -> bool:
     return isinstance(v, jax_core.Literal)
 
@@ -200,33 +224,190 @@ def _numbered(v, value: dict):
 
 
 def body_peak(jaxpr) -> float:
-    """Bytes a manual body holds at once on a device beyond its inputs (they are the step's
-    tensors): its materialised values live in program order, an inner loop's or branch's own
-    peak on top of what is live around it. An elementwise result is fused into its reader and
-    held nowhere (as :func:`body_costs` prices its traffic)."""
-    last: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not _literal(v):
-                last[v] = i
-    for v in jaxpr.outvars:
-        if not _literal(v):
-            last[v] = len(jaxpr.eqns)
-    held: set = set()
-    live = peak = 0.0
-    for i, eqn in enumerate(jaxpr.eqns):
-        inner = max((body_peak(j) for j in _sub_jaxprs(eqn)), default=0.0)
-        fused = not _sub_jaxprs(eqn) and _elementwise(eqn)
-        kept = [v for v in eqn.outvars if hasattr(v.aval, "shape") and not fused]
-        made = sum(_nbytes(v.aval) for v in kept)
-        peak = max(peak, live + inner + made)
-        live += sum(_nbytes(v.aval) for v in kept if v in last)
-        held.update(v for v in kept if v in last)
-        for v in {v for v in eqn.invars if not _literal(v)}:
-            if last.get(v) == i and v in held:
-                live -= _nbytes(v.aval)
-                held.discard(v)
-    return peak
+    """Bytes a manual body holds at once on a device beyond its operands and its results (both
+    are the step's tensors, which the step's memory model holds where the region runs): XLA's
+    buffers simulated in program order (:class:`_Buffers`), as its GPU compiler lays them out.
+
+    - Calls (``pjit``, ``custom_jvp``) are inlined, as XLA inlines them.
+    - An elementwise result (a broadcast, a convert, ``x - m[..., None]``) is fused into its
+      readers and held nowhere; what it is computed from lives until its last reader instead.
+      It is stored where a loop, a conditional or a collective reads it, where the body returns
+      it, and where a dot reads it beside other readers (a GEMM fuses the producer of an
+      operand it alone reads). A stored one takes over a same-size buffer that dies there.
+    - A reshape is a view of its operand.
+    - An update (``dynamic_update_slice``, ``scatter``) writes into its operand where that
+      dies there (a loop body's state too), and a loop into its carried operands; an operand
+      that is an input of the body or of a conditional's branch is copied first (XLA does not
+      write into a caller's buffer).
+    - A loop or branch adds its own body's peak at its point; a loop body's results (its new
+      carries) are held beside the old ones, a branch's are the conditional's result.
+
+    >>> body_peak(eqn.params["jaxpr"])                      # doctest: +SKIP
+    """
+    return _Buffers(jaxpr).beyond_results
+
+
+@dataclasses.dataclass
+class _Op:
+    """One equation of a body with its calls inlined: the values it reads and makes (keys)."""
+
+    prim: str
+    ins: list                       # value keys (None: a literal)
+    outs: list
+    sizes: list[float]
+    kind: str                       # "view", "fused", "update", "loop", "branch" or "op"
+    inner: float = 0.0              # a loop's or branch's own peak
+    carried: dict = dataclasses.field(default_factory=dict)    # loop: result index -> operand index
+
+
+class _Buffers:
+    """XLA-style buffer liveness of one body (see :func:`body_peak`): ``peak``, the bytes it
+    holds at once beyond its inputs (its results, once made, included); ``beyond_results``, less
+    its results (where the caller holds them: a region's results are the step's tensors, a
+    branch's the conditional's). ``state``: the inputs are a loop's state, which an update may
+    write in place."""
+
+    def __init__(self, jaxpr, state: bool = False):
+        self.state = state
+        self.ops: list[_Op] = []
+        self.count = 0
+        self.external: set = set()
+        env = {v: self._key(external=True) for v in (*jaxpr.constvars, *jaxpr.invars)}
+        self._flatten(jaxpr, env)
+        self.results = [None if _literal(v) else env[v] for v in jaxpr.outvars]
+        self.peak, made = self._simulate()
+        self.beyond_results = max(self.peak - made, 0.0)
+
+    def _key(self, external=False):
+        self.count += 1
+        if external:
+            self.external.add(self.count)
+        return self.count
+
+    def _flatten(self, jaxpr, env: dict) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [None if _literal(v) else env[v] for v in eqn.invars]
+            prim = eqn.primitive.name
+            body = _call_body(eqn) if prim in CALL_PRIMITIVES else None
+            if body is not None:
+                inner = {v: self._key(external=True) for v in body.constvars}
+                inner.update(zip(body.invars, ins))
+                self._flatten(body, inner)
+                for v, w in zip(eqn.outvars, body.outvars):
+                    env[v] = None if _literal(w) else inner[w]
+                continue
+            outs = [self._key() for _ in eqn.outvars]
+            env.update(zip(eqn.outvars, outs))
+            sizes = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0.0 for v in eqn.outvars]
+            op = _Op(prim, ins, outs, sizes, "op")
+            subs = _sub_jaxprs(eqn)
+            if prim in _VIEWS:
+                op.kind = "view"
+            elif prim in _UPDATES:
+                op.kind = "update"
+            elif prim in ("scan", "while") and subs:
+                op.kind = "loop"
+                body = subs[0]
+                op.inner = _Buffers(body, state=True).peak
+                first = eqn.params["num_consts"] if prim == "scan" else eqn.params["body_nconsts"] + \
+                    eqn.params["cond_nconsts"]
+                count = eqn.params["num_carry"] if prim == "scan" else len(eqn.outvars)
+                op.carried = {k: first + k for k in range(count)}
+            elif subs:
+                op.kind = "branch"
+                op.inner = max(_Buffers(j).beyond_results for j in subs)
+            elif _fused(eqn):
+                op.kind = "fused"
+            self.ops.append(op)
+
+    def _simulate(self) -> tuple[float, float]:
+        """``(peak, bytes of the results it made)``."""
+        ops = self.ops
+        unfused: set = set()       # values read where XLA cannot fuse their producer
+        readers: dict = {}
+        for op in ops:
+            if op.kind in ("loop", "branch") or op.prim in _COLLECTIVES:
+                unfused.update(op.ins)
+            for x in set(op.ins):
+                readers.setdefault(x, []).append(op.prim)
+        # A GEMM fuses the elementwise producer of an operand it alone reads (XLA's GPU gemm
+        # fusion); one other ops read too is stored once for all of them.
+        unfused.update(k for k, prims in readers.items() if "dot_general" in prims and len(prims) > 1)
+        returned = {k for k in self.results if k is not None}
+        unfused |= returned
+        # The buffers each value's bytes are in: its own, or those it is computed (or viewed) from.
+        roots: dict = {k: (k,) for k in self.external}
+        self.roots = roots
+        for op in ops:
+            for k in op.outs:
+                if op.kind == "view" and op.ins[0] is not None:
+                    roots[k] = roots[op.ins[0]]
+                elif op.kind == "fused" and k not in unfused:
+                    roots[k] = tuple({r for x in op.ins if x is not None for r in roots[x]})
+                else:
+                    roots[k] = (k,)
+        last: dict = {}
+        for i, op in enumerate(ops):
+            for x in op.ins:
+                for r in roots.get(x, ()):
+                    last[r] = i
+        for k in returned:
+            for r in roots[k]:
+                last[r] = len(ops)
+        size: dict = {}            # the body's own buffers live now -> bytes
+        live = peak = 0.0
+        for i, op in enumerate(ops):
+            made = 0.0
+            for j, (k, nbytes) in enumerate(zip(op.outs, op.sizes)):
+                if roots[k] != (k,):
+                    continue
+                into = self._reused(op, j, nbytes, size, last, i)
+                if into in self.external:       # updated in place in an input's buffer
+                    self.external.add(k)
+                    roots[k] = roots[into]
+                elif into is not None:          # takes over a buffer dying here
+                    size[k] = size.pop(into)
+                else:
+                    size[k] = nbytes
+                    made += size[k]
+            peak = max(peak, live + made + op.inner)
+            live += made
+            for b in {r for x in (*op.ins, *op.outs) if x is not None for r in roots[x]}:
+                if last.get(b, i) <= i and b in size:
+                    live -= size.pop(b)
+        return peak, sum(nbytes for op in ops for k, nbytes in zip(op.outs, op.sizes)
+                         if k in returned and roots[k] == (k,) and k not in self.external)
+
+    def _reused(self, op: _Op, j: int, nbytes: float, size: dict, last: dict, i: int):
+        """The buffer that result ``j`` of ``op`` is written into where its operand dies there:
+        an update's operand (an input's only where the inputs are a loop's state), a loop's
+        carried operand (the body's own, not an input's, which XLA copies), a same-size operand of
+        a stored elementwise result; ``None``: a new buffer."""
+        if op.kind == "update" and j == 0:
+            operands = [op.ins[0]]
+        elif op.kind == "loop" and j in op.carried:
+            operands = [op.ins[op.carried[j]]]
+        elif op.kind == "fused":
+            operands = op.ins
+        else:
+            return None
+        candidates = [r for x in operands if x is not None for r in self.roots[x]]
+        for c in candidates:
+            if c is None or last.get(c) != i:
+                continue
+            if c in size and size[c] == nbytes:
+                return c
+            if c in self.external and op.kind == "update" and self.state:
+                return c
+        return None
+
+
+def _call_body(eqn):
+    """The body a call equation runs (XLA inlines it), or ``None`` where none matches its arity."""
+    try:
+        return sub_jaxpr(eqn)[0]
+    except ValueError:
+        return None
 
 
 def _sub_jaxprs(eqn) -> list:

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import shardplan
 from shardplan.context import ring_attention
 from shardplan.hlo import collectives
-from shardplan.manual import body_costs
+from shardplan import targets
+from shardplan.manual import body_costs, body_peak
 from shardplan.mesh import make_jax_mesh
 
 B, S, E, H = 4, 64, 64, 4
@@ -135,3 +136,48 @@ def test_body_traffic_counts_what_xla_materialises():
     costs = body_costs(eqn.params["jaxpr"], {"x": 8})
     row, shard = 64 * 4, 8 * 64 * 4
     assert costs.hbm_bytes == 4 * (row + 2 * row) + 2 * shard + 2 * row
+
+
+# Programs on one device's 4 MiB operand x, with the bytes XLA's GPU compiler holds for them
+# beyond their operand and result (its temporaries): what manual.body_peak models.
+MIB = 2 ** 20
+
+
+def _exp_chain(x):                 # fused into the reduction that reads it: nothing is stored
+    return jnp.sum(jnp.exp(x * 2.0) + 1.0)
+
+
+def _exp_into_a_dot(x):            # fused into the GEMM that alone reads it: its result is stored
+    return jnp.sum(jnp.exp(x) @ x)
+
+
+def _loop_in_place(x):             # a loop's state is updated in place: one buffer
+    def trip(c, i):
+        return jax.lax.dynamic_update_slice_in_dim(c, jax.lax.dynamic_slice_in_dim(x, i, 1) * 2.0, i, 0), None
+    return jnp.sum(jax.lax.scan(trip, jnp.zeros_like(x), jnp.arange(8))[0])
+
+
+def _loop_in_a_branch(x):          # a conditional's branch copies its operand: two buffers
+    def update(y):
+        return jax.lax.scan(lambda c, i: (c.at[i].add(1.0), None), y, jnp.arange(8))[0]
+    return jnp.sum(jax.lax.cond(jnp.sum(x) > 0, update, lambda y: y + 1.0, x * 2.0))
+
+
+PEAKS = [(_exp_chain, 0), (_exp_into_a_dot, 4 * MIB), (_loop_in_place, 4 * MIB), (_loop_in_a_branch, 8 * MIB)]
+X = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+
+
+@pytest.mark.parametrize("fn, held", PEAKS, ids=[f.__name__ for f, _ in PEAKS])
+def test_body_peak_holds_the_buffers_xla_keeps(fn, held):
+    assert body_peak(jax.make_jaxpr(fn)(X).jaxpr) == pytest.approx(held, abs=64 * 2 ** 10)
+
+
+@pytest.mark.skipif(not targets.available("gpu"), reason="the CUDA compiler is not installed "
+                    "(pip install 'shardplan[aot]')")
+@pytest.mark.parametrize("fn, held", PEAKS, ids=[f.__name__ for f, _ in PEAKS])
+def test_body_peak_is_what_the_gpu_compiler_holds(fn, held):
+    # Compiled for one H100 with no GPU present (never run).
+    mesh, _ = targets.target_mesh(shardplan.load_mesh("h100-8"), "gpu")
+    x = jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
+    temp = jax.jit(fn).lower(x).compile().memory_analysis().temp_size_in_bytes
+    assert temp == pytest.approx(body_peak(jax.make_jaxpr(fn)(X).jaxpr), abs=64 * 2 ** 10)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import shardplan
+from shardplan import targets
 from shardplan.mesh import make_jax_mesh
 from shardplan.sequence import ContextConfig, candidates
 
@@ -189,3 +190,38 @@ def test_a_step_written_with_jax_nn_dot_product_attention_gets_the_same_choice()
     written = _run(_step(2, 2048, 8), _args(2, 2048), steps=1, context="auto", memory_budget="48MiB")
     assert f.plan.context is not None and f.plan.context == written.plan.context
     assert jax.nn.dot_product_attention is shardplan.sequence._DOT_PRODUCT_ATTENTION
+
+
+needs_gpu = pytest.mark.skipif(not targets.available("gpu"), reason="the CUDA compiler is not installed "
+                               "(pip install 'shardplan[aot]')")
+H100 = dict(axes={"data": 2, "seq": 4})
+
+
+def _memory_error(step, args, config, target):
+    f = shardplan.auto(step, mesh=shardplan.load_mesh("h100-8", **H100), donate_argnums=(0,), cache=False,
+                       context="off" if config is None else config)
+    return f.audit_for(target, *args).memory_error()
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", [None] + SPLITS, ids=lambda c: "no split" if c is None else c.describe())
+def test_each_strategys_memory_is_the_gpu_compiles_within_15_percent(config):
+    # 2 x 2048 tokens in bf16, as a GPU trains: attention is most of the memory (chunks of scores
+    # and the probabilities made from them, gathered or rotated K/V blocks, the loops' state).
+    # The GPU compiler computes bf16 natively, so its memory is what a device holds; compiled
+    # with no GPU present (never run).
+    step = _step(2, 2048, 8)
+    w = {n: jax.ShapeDtypeStruct((E, E), jnp.bfloat16) for n in "qkvo"}
+    args = (w, jax.ShapeDtypeStruct((2, 2048, E), jnp.bfloat16))
+    assert abs(_memory_error(step, args, config, "gpu")) <= 0.15
+
+
+@pytest.mark.parametrize("config", [None] + SPLITS, ids=lambda c: "no split" if c is None else c.describe())
+def test_the_reference_llamas_memory_is_the_cpu_compiles_within_15_percent(config):
+    # llama-tiny-cp (sequence 256, layers scanned, AdamW) on the CPU compiler, fp32 (the CPU
+    # computes bf16 in f32). XLA's CPU compiler fuses less than its GPU compiler (no
+    # elementwise producer into a dot), so an attention-bound step compiles to more there.
+    from shardplan.models.train import reference
+    ref = reference("llama-tiny-cp", scan=True)
+    args = (jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(4, abstract=True))
+    assert abs(_memory_error(ref.train_step, args, config, "cpu")) <= 0.15
