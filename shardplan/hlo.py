@@ -27,6 +27,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (" + "|".join(_KINDS) +
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
 _WHILE = re.compile(r"\bwhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITIONAL = re.compile(r" conditional\(")
 _CALLS = re.compile(r"(?:calls|to_apply|branch_computations|called_computations)=\{?%?([\w.\-]+(?:, ?%?[\w.\-]+)*)\}?")
 
 
@@ -168,6 +169,20 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
     mult: dict[str, float] = {}
     top: set[str] = set()
 
+    @functools.cache
+    def weight(comp: str) -> float:
+        """Bytes of every result a computation (and what it calls) makes: which branch of a
+        conditional is the costliest."""
+        total = 0.0
+        for line in bodies.get(comp, [])[1:]:
+            d = _DEF.match(line)
+            if d:
+                total += _shape_bytes(d.group(2))
+            for callees in _CALLS.findall(line):
+                total += sum(weight(c.lstrip("%")) for c in re.split(r",\s*", callees)
+                             if c.lstrip("%") in bodies and c.lstrip("%") != comp)
+        return total
+
     def visit(comp: str, times: float, is_top: bool = False) -> None:
         mult[comp] = mult.get(comp, 0.0) + times
         if is_top:
@@ -179,11 +194,16 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
                 n = int(trip.group(1)) if trip else _counted_trips(bodies.get(w.group(1), []), bodies)
                 visit(w.group(2), times * n, True)
                 continue
-            for callees in _CALLS.findall(line):
-                for callee in re.split(r",\s*", callees):
-                    callee = callee.lstrip("%")
-                    if callee in bodies and callee != comp:
-                        visit(callee, times)
+            called = [c.lstrip("%") for callees in _CALLS.findall(line) for c in re.split(r",\s*", callees)]
+            called = [c for c in called if c in bodies and c != comp]
+            if _CONDITIONAL.search(line) and called:
+                # One branch runs per call: priced as the costliest (as the planner prices a
+                # shard_map body's conditional), not as all of them.
+                called = [max(called, key=weight)]
+                visit(called[0], times, True)
+                continue
+            for callee in called:
+                visit(callee, times)
     if entry is not None:
         visit(entry, 1.0, True)
     bodies["__top__"] = sorted(top)   # computations that run as programs, not inside a fusion
@@ -238,6 +258,9 @@ def _in_place(fused: list[str]) -> tuple[set[int], float] | None:
         if not op or op.group(3) != "dynamic-update-slice":
             return None
         buffer, update = (re.findall(r"%([\w.\-]+)", op.group(4)) + ["", ""])[:2]
+        # The buffer may be a parameter seen another way (a bitcast: the same bytes).
+        while (view := _OP.match(defs.get(buffer, ""))) and view.group(3) == "bitcast":
+            buffer = (re.findall(r"%([\w.\-]+)", view.group(4)) + [""])[0]
         param = re.search(r"parameter\((\d+)\)", defs.get(buffer, ""))
         if param is None:
             return None

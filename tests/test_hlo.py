@@ -117,6 +117,51 @@ ENTRY %main (p0: f32[12,1024], p1: s32[], p2: f32[1024]) -> f32[12,1024] {
     assert hbm_bytes(text) == 4 + 4096 + 4096       # reads the index and the row, writes the row
 
 
+def test_an_update_in_place_of_a_bitcast_parameter_is_the_update():
+    """The buffer a fusion's dynamic-update-slice writes may be its parameter seen through a
+    bitcast (ring attention's f32 dK/dV accumulators): the same bytes, updated in place."""
+    from shardplan.hlo import hbm_bytes
+    text = """HloModule m
+
+%fused_dus (param_0: f32[12,1024], param_1: s32[], param_2: f32[1024]) -> f32[12,1,1024] {
+  %param_0 = f32[12,1024]{1,0} parameter(0)
+  %bitcast.0 = f32[12,1,1024]{2,1,0} bitcast(%param_0)
+  %param_2 = f32[1024]{0} parameter(2)
+  %tanh.1 = f32[1024]{0} tanh(%param_2)
+  %bitcast.1 = f32[1,1,1024]{2,1,0} bitcast(%tanh.1)
+  %param_1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[12,1,1024]{2,1,0} dynamic-update-slice(%bitcast.0, %bitcast.1, %param_1, %c0, %c0)
+}
+
+ENTRY %main (p0: f32[12,1024], p1: s32[], p2: f32[1024]) -> f32[12,1,1024] {
+  %p0 = f32[12,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[1024]{0} parameter(2)
+  ROOT %loop_fusion.3 = f32[12,1,1024]{2,1,0} fusion(%p0, %p1, %p2), kind=kLoop, calls=%fused_dus
+}
+"""
+    assert hbm_bytes(text) == 4 + 4096 + 4096
+
+
+def test_a_conditional_runs_its_costliest_branch_once_a_call_not_every_branch():
+    """``lax.switch`` in a loop: each trip runs one branch. The program is priced as its
+    costliest branch every trip (the planner's bound for a shard_map body's conditional), not
+    as the sum of the branches (a ring attention's three-way switch read as 3x its FLOPs)."""
+    from shardplan.hlo import dot_flops, hbm_bytes
+    n = 256
+
+    def step(x, w):
+        def body(c, i):
+            branches = [lambda c: c, lambda c: jnp.tanh(c @ w), lambda c: jnp.tanh((c @ w) @ w)]
+            return jax.lax.switch(i % 3, branches, c), None
+        return jax.lax.scan(body, x, jnp.arange(6))[0]
+    x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    text = jax.jit(step).lower(x, x).compile().as_text()
+    assert dot_flops(text)["f32"] == pytest.approx(6 * 2 * 2 * n ** 3)      # 6 trips of the two-dot branch
+    assert hbm_bytes(text) > 6 * 2 * n * n * 4                                  # its reads and writes counted
+
+
 def test_cpu_all_reduce_stored_as_a_slice_in_a_scan_reads_as_reduce_scatter():
     """A sharded stacked gradient: on CPU each trip all-reduces the layer's gradient and a fusion
     stores only this device's slice of it; a GPU compile emits a reduce-scatter there."""
