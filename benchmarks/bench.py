@@ -110,6 +110,7 @@ def _cells() -> list[Cell]:
     out.append(Cell("llama3-70b", 64, "h100-8x8", (("data", 8), ("model", 8)), remat="full"))
     # Mixture of experts: 8 experts, an axis of 8 to split them over (issue 14).
     out.append(Cell("mixtral-8x7b", 64, "h100-8x8", (("data", 8), ("expert", 8)), remat="full"))
+    out.append(Cell("mixtral-8x7b", 64, "tpu-v5p-64", (("data", 8), ("expert", 8)), remat="full"))
     out.append(Cell("gpt3-175b", 1024, "tpu-v5p-2x512", (("replica", 2), ("data", 64), ("model", 8)), remat="full"))
     # Long context (issue 14): Llama-3-8B at 131072 tokens, one sequence per node of 8 (the point
     # of the cell: nothing without a sequence split fits), against MaxText's three strategies.

@@ -43,8 +43,16 @@ _GPU_FAMILIES = {
                  description="NVIDIA A100-SXM4-80GB"),
 }
 
-# TPU presets -> libtpu topology names (chips in a slice: "v5e:16x16" is 256 chips).
-_TPU_TOPOLOGIES = {"TPU v5e": "v5e:16x16", "TPU v5p": "v5p:8x8x8"}
+# TPU presets -> libtpu topology names by chips per slice (a preset's node): "v5e:16x16" is a 2D
+# torus of 256 chips, "v5p:4x4x4" a 3D torus of 64 (Cloud's "v5p-128": it counts TensorCores, two
+# a v5p chip). Each checked to give its chip count with libtpu's get_topology_desc; the smallest
+# is one 4-chip host.
+_TPU_TOPOLOGIES = {
+    "TPU v5e": {4: "v5e:2x2", 8: "v5e:2x4", 16: "v5e:4x4", 32: "v5e:4x8", 64: "v5e:8x8", 128: "v5e:8x16",
+                256: "v5e:16x16"},
+    "TPU v5p": {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4", 64: "v5p:4x4x4",
+                128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8", 1024: "v5p:8x8x16"},
+}
 
 
 # Compile options under which a target's ``memory_analysis`` counts device memory (HBM) alone.
@@ -122,6 +130,20 @@ def compiler_kind(spec: MeshSpec) -> str:
     return "gpu" if gpu_family(spec) else "tpu" if spec.device.name in _TPU_TOPOLOGIES else "cpu"
 
 
+def tpu_topology(spec: MeshSpec) -> str:
+    """The libtpu topology name of one slice of ``spec`` (a TPU preset's node is a slice)."""
+    by_chips = _TPU_TOPOLOGIES.get(spec.device.name)
+    if by_chips is None:
+        raise ShardplanError(f"no TPU topology for device {spec.device.name!r}: the TPU targets are "
+                             f"{', '.join(_TPU_TOPOLOGIES)}")
+    chips = spec.devices_per_node
+    if chips not in by_chips:
+        raise ShardplanError(f"{spec.name}: no {spec.device.name} topology of {chips} chips per slice "
+                             f"([topology] devices_per_node); the {spec.device.name} slices libtpu compiles for have "
+                             f"{', '.join(map(str, by_chips))} chips")
+    return by_chips[chips]
+
+
 @functools.lru_cache(maxsize=8)
 def _topology(platform: str, config: str, name: str, slices: int = 1):
     from jax.experimental import topologies
@@ -151,10 +173,7 @@ def target_mesh(spec: MeshSpec, target: str):
         topo = _topology("cuda", gpu_target_config(spec), f"1x{spec.num_devices // per_node}x{per_node}")
         compiler = f"XLA GPU (deviceless, {_GPU_FAMILIES[gpu_family(spec)]['description']})"
     elif target == "tpu":
-        name = _TPU_TOPOLOGIES.get(spec.device.name)
-        if name is None:
-            raise ShardplanError(f"no TPU topology for device {spec.device.name!r}: the TPU targets are "
-                                 f"{', '.join(_TPU_TOPOLOGIES)}")
+        name = tpu_topology(spec)
         # A TPU preset's node is a slice (meshes/README.md).
         topo = _topology("tpu", "", name, spec.nodes)
         compiler = f"XLA TPU (deviceless, libtpu, {name}" + (f" x {spec.nodes} slices)" if spec.nodes > 1 else ")")

@@ -5,7 +5,7 @@ from shardplan.errors import DeviceCountError, MeshConfigError
 from shardplan.mesh import load_mesh, mesh_from_dict
 
 REQUIRED_PRESETS = {"cpu-8", "h100-8", "h100-8x8", "h200-8", "h200-8x8", "a100-8", "a100-128x8",
-                    "tpu-v5e-256", "tpu-v5p-2x512"}
+                    "tpu-v5e-256", "tpu-v5p-2x512", "tpu-v5p-64"}
 
 
 def test_presets_resolve():
@@ -19,6 +19,13 @@ def test_tpu_multislice_axis_crosses_dcn():
     m = load_mesh("tpu-v5p-2x512")
     assert [a.link.name for a in m.axes] == ["dcn", "ici", "ici"]
     assert m.device.flops_for("bfloat16") == 459e12
+
+
+def test_one_tpu_v5p_slice_is_all_ici():
+    m = load_mesh("tpu-v5p-64", axes={"data": 8, "expert": 8})
+    assert (m.num_devices, m.devices_per_node, m.nodes) == (64, 64, 1)
+    assert [a.link.name for a in m.axes] == ["ici", "ici"]
+    assert m.device == load_mesh("tpu-v5p-2x512").device
 
 
 def test_cross_node_axis_uses_inter_node_link():

@@ -69,6 +69,30 @@ def test_async_collectives_count_their_outputs_not_operands_and_outputs():
     assert total["gpu"] == pytest.approx(total["cpu"], rel=0.05), total
 
 
+def test_the_tpu_topology_follows_the_presets_chips_per_slice():
+    assert targets.tpu_topology(shardplan.load_mesh("tpu-v5e-256")) == "v5e:16x16"
+    assert targets.tpu_topology(shardplan.load_mesh("tpu-v5p-2x512")) == "v5p:8x8x8"     # per slice
+    assert targets.tpu_topology(shardplan.load_mesh("tpu-v5p-64")) == "v5p:4x4x4"
+    odd = shardplan.mesh.mesh_from_dict({
+        "name": "v5p-48", "device": {"name": "TPU v5p", "peak_flops": {"float32": 1e12}, "hbm_bytes": 2**30,
+                                     "hbm_bandwidth": 1e11},
+        "links": {"ici": {"bandwidth": 1e9, "latency": 1e-6}},
+        "topology": {"devices_per_node": 48, "nodes": 1, "intra_node_link": "ici", "inter_node_link": "ici"},
+        "axes": [{"name": "data", "size": 48}]})
+    with pytest.raises(shardplan.ShardplanError, match=r"no TPU v5p topology of 48 chips per slice.*4, 8, 16, 32, 64"):
+        targets.tpu_topology(odd)
+    with pytest.raises(shardplan.ShardplanError, match="no TPU topology for device 'host CPU"):
+        targets.tpu_topology(shardplan.load_mesh("cpu-8"))
+
+
+@needs_tpu
+def test_a_64_chip_v5p_slice_is_libtpus_4x4x4():
+    mesh, compiler = targets.target_mesh(shardplan.load_mesh("tpu-v5p-64", axes={"data": 8, "expert": 8}), "tpu")
+    assert mesh.devices.size == 64 and mesh.axis_names == ("data", "expert")
+    assert compiler == "XLA TPU (deviceless, libtpu, v5p:4x4x4)"
+    assert mesh.devices.flat[0].device_kind.startswith("TPU v5")
+
+
 @needs_tpu
 def test_a_plan_compiles_on_the_tpu_compiler(tmp_path):
     # 256 chips: planned on 256 fake CPU devices in a process of its own, compiled by libtpu.
