@@ -320,16 +320,30 @@ _CONV = re.compile(r"=\s*(\S+) convolution\((?:\S+ )?%?([\w.\-]+), (?:\S+ )?%?([
 
 def _conv_flops(m, shapes: dict[str, str]) -> tuple[str, float]:
     """(lhs dtype, FLOPs) of a convolution: 2 x output elements x (input features per group x
-    window), read from the kernel's shape and its dim_labels (``i`` in-features, digits the
-    window). The TPU compiler emits every matmul this way (``bf_io->bf``)."""
+    the window's taps that meet real input), read from the kernel's shape and its dim_labels
+    (``i`` in-features, digits the window). The TPU compiler emits every matmul this way
+    (``bf_io->bf``), and batched or outer-product ones with a window over an input of size 1 or
+    one dilated as wide as the window (``size=8 pad=7_7``, ``size=32 lhs_dilate=32``): each
+    output position meets one real input there, not the window's size."""
     (_, rdims), = _SHAPE.findall(m.group(1))[:1] or [("f32", "")]
-    (ldtype, _), = _SHAPE.findall(shapes.get(m.group(2), ""))[:1] or [("f32", "")]
+    (ldtype, ldims), = _SHAPE.findall(shapes.get(m.group(2), ""))[:1] or [("f32", "")]
     (_, kdims), = _SHAPE.findall(shapes.get(m.group(3), ""))[:1] or [("f32", "")]
     ksizes = [int(d) for d in kdims.split(",") if d]
-    labels = m.group(5)
+    lsizes = [int(d) for d in ldims.split(",") if d]
+    labels, lhs_labels = m.group(5), m.group(4)
     if len(labels) != len(ksizes):
         return ldtype, 0.0
-    k = math.prod(n for n, c in zip(ksizes, labels) if c == "i" or c.isdigit())
+    window = re.search(r"window=\{([^}]*)\}", m.string)
+    fields = dict(kv.split("=", 1) for kv in window.group(1).split() if "=" in kv) if window else {}
+    dilate = [int(x) for x in fields.get("lhs_dilate", "").split("x") if x]
+    k = 1
+    for n, c in zip(ksizes, labels):
+        if c == "i":
+            k *= n
+        elif c.isdigit():
+            d = int(c)
+            spatial = lsizes[lhs_labels.index(c)] if c in lhs_labels and len(lhs_labels) == len(lsizes) else n
+            k *= min(n, spatial, -(-n // (dilate[d] if d < len(dilate) else 1)))
     return ldtype, 2.0 * math.prod(int(d) for d in rdims.split(",") if d) * k
 
 

@@ -90,6 +90,26 @@ ENTRY %main (p0: bf16[1024,4096], p1: bf16[4096,256]) -> bf16[1024,256] {
     assert dot_flops(conv.lower(x, w).compile().as_text()) == {"f32": 2.0 * (2 * 8 * 8 * 16) * (3 * 3 * 3)}
 
 
+@pytest.mark.parametrize("window, lhs, taps", [
+    ("size=8 pad=7_7 rhs_reversal=1", "bf16[1,4,1]", 1),          # an outer product: one real input
+    ("size=8 pad=7_7 lhs_dilate=8", "bf16[1,4,2]", 1),             # dilated as wide as the window
+    ("size=8 pad=3_4", "bf16[1,4,64]", 8),                         # a conv layer's window: every tap
+])
+def test_a_convolution_counts_the_window_taps_that_meet_real_input(window, lhs, taps):
+    """libtpu writes batched and outer-product matmuls as convolutions with a window over an input
+    of size 1 (or dilated as wide as the window): each output position meets one real input, so
+    they are not window-size times the FLOPs (Mixtral on a v5p slice read as 6x its matmuls)."""
+    text = f"""HloModule m
+
+ENTRY %main (p0: {lhs}, p1: bf16[4,16,8]) -> bf16[1,16,8] {{
+  %p0 = {lhs}{{2,1,0}} parameter(0)
+  %p1 = bf16[4,16,8]{{2,1,0}} parameter(1)
+  ROOT %convolution.1 = bf16[1,16,8]{{2,1,0}} convolution(%p0, %p1), window={{{window}}}, dim_labels=bf0_io0->bf0
+}}
+"""
+    assert dot_flops(text) == {"bf16": 2.0 * (1 * 16 * 8) * 4 * taps}
+
+
 def test_hbm_bytes_of_a_fusion_that_updates_a_buffer_in_place_is_the_update():
     """A scan's stacked output written one layer a trip: the GPU fuses the layer's work into a
     fusion rooted at a dynamic-update-slice of the stacked buffer (named by what it fuses, not
