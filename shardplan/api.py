@@ -282,6 +282,11 @@ class AutoFunction:
         return self._compiled(args, kwargs).plan
 
     def __call__(self, *args, **kwargs):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            raise ShardplanError(
+                "a shardplan.auto step was called on traced values (inside jax.grad, jax.jit, jax.vmap ... of "
+                "a function that calls it): the step is its own jit and runs on arrays; transform inside the "
+                "step (as a train step calls jax.grad on its loss), or plan the outer function instead")
         return self._compiled(args, kwargs)(self.call, args, kwargs)
 
     def _abstract(self, c: _Compiled, args, kwargs):

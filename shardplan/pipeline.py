@@ -183,6 +183,11 @@ def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh | jax.sharding.Abs
     missing = [a for a in config.batch_axes if a not in mesh.shape]
     if missing:
         raise PipelineError(f"batch_axes {missing} are not mesh axes (axes: {', '.join(mesh.axis_names)})")
+    if jax.sharding.AxisType.Auto not in tuple(getattr(mesh, "axis_types", ()) or (jax.sharding.AxisType.Auto,)):
+        raise PipelineError(f"the mesh's axes are {tuple(t.name for t in mesh.axis_types)} (jax.make_mesh's default): "
+                            "the pipeline places its stages with sharding constraints, which need automatic axes; "
+                            "build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
+                            f"{len(mesh.axis_names)}")
     if mesh.shape[config.axis] != config.stages:
         raise PipelineError(f"mesh axis {config.axis!r} has {mesh.shape[config.axis]} devices, the pipeline "
                             f"{config.stages} stages; use stages={mesh.shape[config.axis]} or resize the axis")
@@ -259,10 +264,14 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         raise PipelineError(f"{layers} layers do not split into {S} stages x {R} repeats; stages x repeats must "
                             f"divide {layers} (stages that do with repeats={R}: {fits})")
     per = layers // (S * R)
-    batch_sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(init)}
+    leads = [(jax.tree_util.keystr(path) or "the carry", x.shape[0] if x.ndim else None)
+             for path, x in jax.tree_util.tree_leaves_with_path(init)]
+    batch_sizes = {n for _, n in leads}
     if len(batch_sizes) != 1 or None in batch_sizes:
+        shown = ", ".join(f"{where}: {'a scalar' if n is None else n}" for where, n in leads)
         raise PipelineError("under a pipeline every layer_scan carry leaf needs the batch as its leading "
-                            f"dimension (leading sizes: {sorted(map(str, batch_sizes))})")
+                            f"dimension, the same for all (leading sizes: {shown}); carry per-example values "
+                            "with the batch first, or keep other state out of the carry (or plan with pipeline=None)")
     (batch,) = batch_sizes
     if batch % M:
         raise PipelineError(f"a batch of {batch} does not split into {M} microbatches; use microbatches dividing "
@@ -276,7 +285,8 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, layer)
     if jax.tree.leaves(ys):
         raise PipelineError("under a pipeline the layer_scan body must return (carry, None): per-layer outputs "
-                            "are not collected")
+                            "are not collected; keep what you need in the carry (leaves with the batch first), "
+                            "or plan with pipeline=None")
 
     def groups(x, lead: int):
         """``x`` with its dimension ``lead`` (a microbatch's rows or row groups) over ``batch_axes``, the rest free."""

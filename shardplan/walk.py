@@ -16,6 +16,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from shardplan.errors import ShardplanError
 from shardplan.graph import Graph
 from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, peak
 
@@ -114,6 +115,12 @@ class _Walker:
                     level.last_use[t] = i
             prim = eqn.primitive.name
             here = eqn_path(prefix, position, eqn)
+            if prim == "custom_lin":
+                raise ShardplanError(
+                    f"forward-mode differentiation (jax.jvp, jax.jacfwd) of a custom_vjp function at "
+                    f"{source_of(eqn, g.call_source)}, which JAX cannot run forward; a pipelined layer_scan's "
+                    "stage shift is one (shardplan.pipeline.stage_shift): differentiate in reverse mode "
+                    "(jax.grad, jax.vjp), or plan with pipeline=None")
             if prim in CALL_PRIMITIVES and not is_shift(eqn):
                 body, _ = sub_jaxpr(eqn)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)

@@ -176,6 +176,38 @@ def test_per_layer_outputs_are_refused_under_a_pipeline():
                                                                                       jnp.ones((4, 3)))
 
 
+def test_a_carry_leaf_without_the_batch_first_is_named():
+    with pytest.raises(PipelineError, match=r"\[1\]: a scalar.*batch first"):
+        with pipelined(PipelineConfig(2, 2), _mesh({"stage": 2})):
+            jax.jit(lambda p, x: layer_scan(lambda c, w: ((c[0] @ w, c[1]), None), (x, jnp.float32(0)), p)[0][0]
+                    .sum())(jnp.ones((2, 3, 3)), jnp.ones((4, 3)))
+
+
+def test_a_mesh_without_automatic_axes_is_refused_with_the_fix():
+    """jax.make_mesh makes Explicit axes in this JAX; the pipeline's sharding constraints need Auto."""
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    with pytest.raises(PipelineError, match=r"axis_types=\(jax.sharding.AxisType.Auto,\) \* 1"):
+        with pipelined(PipelineConfig(2, 2), mesh):
+            pass
+
+
+def test_forward_mode_through_a_pipeline_and_an_auto_step_under_a_transform_say_what_to_do():
+    import shardplan
+    from shardplan import ShardplanError
+    params, x = jnp.ones((4, 3, 3)), jnp.ones((8, 3))
+    mesh = _mesh({"stage": 2, "data": 4})
+
+    def jvp_step(p, x):
+        return jax.jvp(lambda p: _toy_loss(p, x), (p,), (jnp.ones_like(p),))
+    step = shardplan.auto(jvp_step, mesh=mesh, cache=False, time_limit=2)
+    with pytest.raises(ShardplanError, match=r"forward-mode .*jax\.grad, jax\.vjp.*pipeline=None"):
+        with pipelined(PipelineConfig(2, 2), mesh):
+            step(params, x)
+    plain = shardplan.auto(_toy_loss, mesh=mesh, cache=False, time_limit=2)
+    with pytest.raises(ShardplanError, match=r"called on traced values.*transform inside the step"):
+        jax.grad(lambda p: plain(p, x))(params)
+
+
 @pytest.mark.parametrize("model,axes,config", [
     ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4)),
     ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 4, "circular", repeats=2)),
