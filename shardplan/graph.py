@@ -147,7 +147,7 @@ class Graph:
         self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
-        self.shifts: dict[int, int] = {}    # a rolled tensor (shardplan.walk.SHIFT_CALL) -> the dimension rolled
+        self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
         self.current_loop = 0
         self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0

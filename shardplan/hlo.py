@@ -169,6 +169,11 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
     mult: dict[str, float] = {}
     top: set[str] = set()
 
+    def callees(line: str, comp: str) -> list[str]:
+        """The computations ``line`` calls (fused bodies, reducers, branches), ``comp`` aside."""
+        named = [c.lstrip("%") for found in _CALLS.findall(line) for c in re.split(r",\s*", found)]
+        return [c for c in named if c in bodies and c != comp]
+
     @functools.cache
     def weight(comp: str) -> float:
         """Bytes of every result a computation (and what it calls) makes: which branch of a
@@ -178,9 +183,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
             d = _DEF.match(line)
             if d:
                 total += _shape_bytes(d.group(2))
-            for callees in _CALLS.findall(line):
-                total += sum(weight(c.lstrip("%")) for c in re.split(r",\s*", callees)
-                             if c.lstrip("%") in bodies and c.lstrip("%") != comp)
+            total += sum(weight(c) for c in callees(line, comp))
         return total
 
     def visit(comp: str, times: float, is_top: bool = False) -> None:
@@ -194,8 +197,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
                 n = int(trip.group(1)) if trip else _counted_trips(bodies.get(w.group(1), []), bodies)
                 visit(w.group(2), times * n, True)
                 continue
-            called = [c.lstrip("%") for callees in _CALLS.findall(line) for c in re.split(r",\s*", callees)]
-            called = [c for c in called if c in bodies and c != comp]
+            called = callees(line, comp)
             if _CONDITIONAL.search(line) and called:
                 # One branch runs per call: priced as the costliest (as the planner prices a
                 # shard_map body's conditional), not as all of them.

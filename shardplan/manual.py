@@ -181,15 +181,22 @@ _FREE = {"axis_index", "iota", "pvary", "pcast", "stop_gradient", "convert_eleme
          "squeeze", "expand_dims", "reshape", "select_n"}
 
 
-def _elementwise(eqn) -> bool:
-    """Whether XLA fuses ``eqn`` into its neighbours: one output the shape of each operand that
-    is not a scalar (or a free op); reductions, slices, updates, transposes and the like are not."""
-    if eqn.primitive.name in _FREE:
-        return True
+def _operands_fit(eqn, broadcast: bool) -> bool:
+    """One array result, and each operand a scalar or the result's shape (with ``broadcast``,
+    also one it broadcasts from: size 1 where the result has more)."""
     if len(eqn.outvars) != 1 or not hasattr(eqn.outvars[0].aval, "shape"):
         return False
     shape = eqn.outvars[0].aval.shape
-    return all(not getattr(v.aval, "shape", ()) or v.aval.shape == shape for v in eqn.invars)
+
+    def fits(s):
+        return not s or s == shape or (broadcast and len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)))
+    return all(fits(getattr(v.aval, "shape", ())) for v in eqn.invars)
+
+
+def _elementwise(eqn) -> bool:
+    """Whether XLA fuses ``eqn`` into its neighbours: one output the shape of each operand that
+    is not a scalar (or a free op); reductions, slices, updates, transposes and the like are not."""
+    return eqn.primitive.name in _FREE or _operands_fit(eqn, broadcast=False)
 
 
 def _fused(eqn) -> bool:
@@ -200,15 +207,7 @@ def _fused(eqn) -> bool:
     prim = eqn.primitive.name
     if prim in _FREE:
         return True
-    if prim not in FUSIBLE or prim in REDUCTIONS or prim == "transpose":
-        return False
-    if len(eqn.outvars) != 1 or not hasattr(eqn.outvars[0].aval, "shape"):
-        return False
-    shape = eqn.outvars[0].aval.shape
-
-    def fits(s):
-        return not s or s == shape or (len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)))
-    return all(fits(getattr(v.aval, "shape", ())) for v in eqn.invars)
+    return prim in FUSIBLE and prim not in REDUCTIONS and prim != "transpose" and _operands_fit(eqn, broadcast=True)
 
 
 def _literal(v) -> bool:

@@ -183,8 +183,9 @@ def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh | jax.sharding.Abs
     missing = [a for a in config.batch_axes if a not in mesh.shape]
     if missing:
         raise PipelineError(f"batch_axes {missing} are not mesh axes (axes: {', '.join(mesh.axis_names)})")
-    if jax.sharding.AxisType.Auto not in tuple(getattr(mesh, "axis_types", ()) or (jax.sharding.AxisType.Auto,)):
-        raise PipelineError(f"the mesh's axes are {tuple(t.name for t in mesh.axis_types)} (jax.make_mesh's default): "
+    types = tuple(getattr(mesh, "axis_types", ()))
+    if types and jax.sharding.AxisType.Auto not in types:
+        raise PipelineError(f"the mesh's axes are {tuple(t.name for t in types)} (jax.make_mesh's default): "
                             "the pipeline places its stages with sharding constraints, which need automatic axes; "
                             "build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
                             f"{len(mesh.axis_names)}")

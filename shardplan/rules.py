@@ -197,7 +197,7 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         if not ins or ins[0] is None:
             return
         g.union(ins[0], out)
-        g.shifts[out] = 0
+        g.shifts.add(out)
         return
 
     if prim == "iota" or not operands:

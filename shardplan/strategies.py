@@ -318,14 +318,14 @@ class Enumerator:
 
     def shift_comms(self, tid: int, spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of a rolled tensor (:attr:`Graph.shifts`, the pipeline's stage shift)
-        of this spec, each with its seconds per step: where the rolled dimension is split, each
+        of this spec, each with its seconds per step: where the rolled dimension (0) is split, each
         device sends the row it holds last to the next device along those axes (one
         collective-permute of a row of its shard); nothing moves where it is whole."""
         t = self.g.tensors[tid]
-        axes = spec[self.g.shifts[tid]]
+        axes = spec[0]
         if not axes:
             return []
-        rows = -(-t.shape[self.g.shifts[tid]] // self.m.shards(axes))
+        rows = -(-t.shape[0] // self.m.shards(axes))
         c = Comm(COLLECTIVE_PERMUTE, tuple(axes), self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec) / rows)
         return [(c, t.mult * self.m.collective_time(c))]
 
