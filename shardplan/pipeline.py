@@ -261,9 +261,13 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         raise PipelineError("layer_scan under a pipeline needs stacked layer parameters (xs) to split into stages")
     layers = leaves[0].shape[0]
     if layers % (S * R):
-        fits = [s for s in range(1, layers + 1) if layers % (s * R) == 0]
+        repeats = [r for r in range(1, layers // S + 1) if layers % (S * r) == 0]
+        stages = [s for s in range(2, layers + 1) if layers % (s * R) == 0]
+        keep = (f"with the mesh's {S} stages use repeats in {repeats}" if repeats else
+                f"no number of repeats splits them into {S} stages")
         raise PipelineError(f"{layers} layers do not split into {S} stages x {R} repeats; stages x repeats must "
-                            f"divide {layers} (stages that do with repeats={R}: {fits})")
+                            f"divide {layers}: {keep}, or stages in {stages} with repeats={R} (mesh axis "
+                            f"{config.axis!r} resized to that many devices)")
     per = layers // (S * R)
     leads = [(jax.tree_util.keystr(path) or "the carry", x.shape[0] if x.ndim else None)
              for path, x in jax.tree_util.tree_leaves_with_path(init)]

@@ -126,17 +126,32 @@ def probe(trace) -> StackSite | None:
     return seen[0] if seen and len(set(seen)) == 1 else None
 
 
-def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) -> tuple[list[Candidate], list[Candidate]]:
-    """``(candidates, deeper ones)`` for ``pipeline=setting`` on a step traced by ``trace()``: the
-    deeper ones (17 to 64 stages, ``"auto"`` only) are for where none of the first fits (GPT-3-sized
-    stacks on thousands of GPUs: Megatron-LM ran 35 and 64 stages). The step is traced once more,
-    outside any pipeline, to read its layer stack, where the setting searches stage counts. Each
-    list is in :func:`_promise` order."""
+def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) \
+        -> tuple[list[Candidate], list[Candidate], str | None]:
+    """``(candidates, deeper ones, why no pipeline is tried)`` for ``pipeline=setting`` on a step
+    traced by ``trace()``: the deeper ones (17 to 64 stages, ``"auto"`` only) are for where none of
+    the first fits (GPT-3-sized stacks on thousands of GPUs: Megatron-LM ran 35 and 64 stages). The
+    step is traced once more, outside any pipeline, to read its layer stack, where the setting
+    searches stage counts. Each list is in :func:`_promise` order. The reason is ``None`` unless
+    ``"auto"`` found a layer stack but no stage count to split it in."""
     searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
     stack = probe(trace) if searched else None
     first = sorted(candidates(mesh, setting, stack, budget_bytes), key=_promise)
-    return first, sorted(candidates(mesh, setting, stack, budget_bytes, deep=True), key=_promise) \
-        if setting == "auto" else []
+    if setting != "auto":
+        return first, [], None
+    deeper = sorted(candidates(mesh, setting, stack, budget_bytes, deep=True), key=_promise)
+    why = None
+    if stack is not None and all(c.config is None for c in first + deeper):
+        outer, name = mesh.axis_sizes[0], mesh.axis_names[0]
+        counts = [s for s in range(2, min(outer, MAX_DEEP_STAGES) + 1) if outer % s == 0]
+        dividing = [s for s in counts if stack.layers % s == 0]
+        why = (f"pipeline='auto' tried no pipeline: the stages split mesh axis {name!r} ({outer} devices), and "
+               + ("it splits into no stage count from 2 to 64" if not counts else
+                  f"none of its stage counts {counts} divides the {stack.layers} layers of the layer_scan"
+                  if not dividing else f"a batch of {stack.batch} has too few rows for {dividing} stages")
+               + "; planned without a pipeline (give pipeline=N or a PipelineConfig that fits, on a mesh whose "
+               "outermost axis has N devices)")
+    return first, deeper, why
 
 
 def _promise(c: Candidate) -> tuple:

@@ -60,7 +60,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
                budget_bytes: int, *, donated: Sequence[bool] = (), options: PlannerOptions = PlannerOptions(),
                in_tree=None, out_tree=None, fixed_inputs: Sequence[Spec | None] | None = None,
                state_pairs: Sequence[tuple[int, int]] = (), out_names: Sequence[str] | None = None,
-               cached: Plan | None = None) -> tuple[Plan, Graph]:
+               cached: Plan | None = None, beat: float = math.inf) -> tuple[Plan, Graph]:
     """Plan a whole-step jaxpr whose flat inputs are named ``input_names`` (the argument of each in ``input_args``).
 
     ``fixed_inputs`` pins the spec of some inputs (``None``: free), e.g. to price a hand-written
@@ -69,7 +69,11 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     place of an input: each pair gets one sharding, so the next call takes the output as it is.
     ``out_names`` names the flat outputs (pytree paths of the result). ``cached`` is a plan made
     before for this very problem (:mod:`shardplan.cache`): it is used as it is if its tensors
-    are the graph's.
+    are the graph's. ``beat``: seconds a plan must beat to be wanted (an outer search's best so
+    far); where the optimum without the budget does not fit and is no faster, that plan is
+    returned as it is, over the budget (no plan under it could be faster), with no budgeted solve;
+    on a mesh searched by axes, where a lower bound on every plan's step is no faster, an
+    unsolved plan (status ``NOT_SOLVED``). Either way its step is at least ``beat``.
     """
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs)
     if cached is not None:
@@ -90,19 +94,33 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
                     if k not in state_in and not (k < len(donated) and donated[k]) and input_args[k] not in (0, "0"))
     enum = Enumerator(graph, model, donated_outputs, fixed, fed)
     start = time.perf_counter()
+
+    def unwanted(problem, choice, sol) -> bool:
+        """Whether the unconstrained optimum ``choice`` is no faster than ``beat``."""
+        if beat == math.inf:
+            return False
+        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
+        made = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
+        return made.cost.step_s >= beat
+
     with Status() as line:       # ended whatever happens: an error never lands on it
         # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
         # Memory plays no part there, so far more options are dead ends than under a budget.
         if _wide(enum):
-            problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph)
+            problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted, beat)
             choice = sol.choice
         else:
-            problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum)
+            problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
+                                                       unwanted)
         stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
         plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
         # The plan's step: the objective and what no choice changes (shard_map bodies).
-        line.done(f"planned: {stats.status}, predicted step {plan.cost.step_s * 1e3:.3f} ms, gap {stats.gap:.2%}, "
-                  f"{stats.wall_time:.1f} s")
+        if stats.status.startswith("NOT_SOLVED"):
+            line.done(f"not planned: every plan takes at least {stats.bound * 1e3:.3f} ms, no faster than the best so "
+                      f"far ({beat * 1e3:.3f} ms)")
+        else:
+            line.done(f"planned: {stats.status}, predicted step {plan.cost.step_s * 1e3:.3f} ms, gap {stats.gap:.2%}, "
+                      f"{stats.wall_time:.1f} s")
     return plan, graph
 
 
@@ -126,17 +144,26 @@ def _wide(enum: Enumerator) -> bool:
     return sum(n > 1 for n in enum.sizes) >= 3 and enum.table_cells() > _WIDE_CELLS
 
 
-def _solve_by_axes(enum, budget_bytes, options, line, graph):
+def _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted=lambda problem, choice, sol: False,
+                   beat: float = math.inf):
     """``(problem without tables, solution, whether the budget shaped it)`` for a wide problem (tables too large to price whole:
     meshes of three or more axes): a search that moves one or two mesh axes at a time and prices
     only the options each move may take; under the budget from the leanest plan where the
-    unconstrained plan does not fit."""
+    unconstrained plan does not fit (and is not ``unwanted``: then it is returned as it is). Where
+    every node at its cheapest (the pairs left out: a lower bound on the step) is no faster than
+    ``beat``, no plan is wanted: the first options are returned unsolved."""
     nodes = enum.build(tables=False)
+    floor = float(sum(n.cost.min() for n in nodes.nodes))
+    if floor >= beat:
+        start = [0] * len(nodes.nodes)
+        stats = SolverStats("NOT_SOLVED: no faster than the best so far", total_cost(nodes, start), floor,
+                            0.0, 0.0, len(start), 0)
+        return nodes, Solution(start, stats, peak_memory(nodes, start)), False
     search = functools.partial(solve_by_axis_blocks, enum.node_options(), enum.build,
-                               bound=float(sum(n.cost.min() for n in nodes.nodes)), tie_layers=options.tie_layers)
+                               bound=floor, tie_layers=options.tie_layers)
     line.say(f"solving: {len(nodes.nodes)} decisions, by mesh axes")
     sol = search([0] * len(nodes.nodes))
-    if peak_memory(nodes, sol.choice) <= budget_bytes:
+    if peak_memory(nodes, sol.choice) <= budget_bytes or unwanted(nodes, sol.choice, sol):
         return nodes, sol, False
     # The leanest plan needs no tables (memory is per node): CP-SAT on the nodes alone.
     tied = tie(nodes) if options.tie_layers else None
@@ -151,9 +178,10 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph):
                          time_limit=options.time_limit, relative_gap=options.relative_gap), True
 
 
-def _solve_built(problem, budget_bytes, options, line, graph, enum):
+def _solve_built(problem, budget_bytes, options, line, graph, enum, unwanted=lambda problem, choice, sol: False):
     """``(problem, solution, choice, whether the budget shaped it)`` with every table built: exactly where elimination can,
-    under the memory budget with CP-SAT where the unconstrained optimum does not fit."""
+    under the memory budget with CP-SAT where the unconstrained optimum does not fit (and is not
+    ``unwanted``: then it is returned as it is)."""
     tied = tie(problem) if options.tie_layers else None
     solved = tied.problem if tied else problem
     reduced = simplify(solved)
@@ -168,6 +196,8 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum):
     sol = solve_exact(free) or _solve_wide(free, options, line)
     choice = full_choice(sol, keep)
     bound = peak_memory(problem, choice) > budget_bytes
+    if bound and unwanted(problem, choice, sol):
+        return problem, sol, choice, False
     if bound:
         bounded, keep = eliminate_dead_ends(reduced.problem, memory=True)
         line.say(f"solving under the memory budget {format_bytes(budget_bytes)}")

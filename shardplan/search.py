@@ -28,15 +28,18 @@ def budget_for(memory_budget, mesh_spec: MeshSpec) -> int:
     return parse_bytes(memory_budget) if memory_budget is not None else mesh_spec.device.budget_bytes
 
 
-def plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions, cache=True):
-    """Plan a traced step, or read its plan back from the on-disk cache (:mod:`shardplan.cache`)."""
+def plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: PlannerOptions, cache=True,
+                beat: float = math.inf):
+    """Plan a traced step, or read its plan back from the on-disk cache (:mod:`shardplan.cache`).
+    ``beat``: :func:`~shardplan.planner.plan_jaxpr`'s (a plan no faster than ``beat`` seconds
+    may come back over the budget, or unsolved; it is not cached)."""
     directory = plan_cache.cache_dir(cache)
     key = plan_cache.plan_key(traced, mesh_spec, budget, options) if directory else ""
     cached = plan_cache.load(directory, key)
     p, graph = plan_jaxpr(traced.closed, traced.names, traced.arg_of, mesh_spec, budget, donated=traced.donated,
                           options=options, in_tree=traced.arg_tree, out_tree=traced.out_tree,
-                          state_pairs=traced.state_pairs, out_names=traced.out_names, cached=cached)
-    if cached is None:
+                          state_pairs=traced.state_pairs, out_names=traced.out_names, cached=cached, beat=beat)
+    if cached is None and p.cost.memory_bytes <= budget and p.cost.step_s < beat:
         plan_cache.store(directory, key, p)
     return p, graph
 
@@ -86,7 +89,10 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     if context is not None:
         return sequence.search(trace, lambda t: plan_search(t, mesh_spec, memory_budget, options, cache, setting,
                                                               remat), mesh_spec, context, setting)
-    cands, deeper = pipeline_search.rounds(mesh_spec, setting, trace, budget_for(memory_budget, mesh_spec))
+    cands, deeper, untried = pipeline_search.rounds(mesh_spec, setting, trace, budget_for(memory_budget, mesh_spec))
+    if untried:
+        with Status() as line:
+            line.done(untried)
     if deeper:
         cands.append(None)            # here: deeper pipelines follow where nothing before fitted
     best, failures, no_layers = None, [], False
@@ -103,15 +109,11 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
             raise _NoLayerScan("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
                                 "layer_scan where the model scans its layers, or plan with pipeline='off')")
         budget = budget_for(memory_budget, cand.mesh)
-        p = None
-        if beat < math.inf:
-            p, graph = plan_traced(traced, cand.mesh, math.inf, options, cache)
-            if p.cost.step_s >= beat:
-                return None
-            if p.cost.memory_bytes > budget:
-                p = None
-        if p is None:
-            p, graph = plan_traced(traced, cand.mesh, budget, options, cache)
+        # Where the plan without the budget does not fit and is no faster than ``beat``, the
+        # planner stops there (under the budget it only gets slower).
+        p, graph = plan_traced(traced, cand.mesh, budget, options, cache, beat=beat)
+        if p.cost.step_s >= beat:
+            return None
         return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
                                    remat=_remat_record(sites, choices)), (graph, traced), sites
 
@@ -165,6 +167,8 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         # The least memory any candidate needed, else why none applied.
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
         raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+    if untried:
+        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (untried,)), best[1])
     if no_layers and not (best[0].remat or {}).get("sites"):
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
             "remat='auto': the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "

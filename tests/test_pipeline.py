@@ -155,7 +155,9 @@ def _toy_loss(params, x):
 
 
 @pytest.mark.parametrize("layers,batch,axes,config,match", [
-    (6, 8, {"stage": 4}, PipelineConfig(4, 2), r"6 layers do not split into 4 stages x 1 repeats; .*\[1, 2, 3, 6\]"),
+    (6, 8, {"stage": 4}, PipelineConfig(4, 2), r"6 layers do not split into 4 stages x 1 repeats; .*no number of repeats.* stages in \[2, 3, 6\]"),
+    (8, 8, {"stage": 4}, PipelineConfig(4, 4, "circular", repeats=4),
+     r"8 layers .* with the mesh's 4 stages use repeats in \[1, 2\]"),
     (4, 6, {"stage": 2}, PipelineConfig(2, 4), r"a batch of 6 does not split into 4 microbatches"),
     (4, 8, {"data": 2}, PipelineConfig(2, 4), r"stage axis 'stage' is not a mesh axis \(axes: data\)"),
     (4, 8, {"stage": 4}, PipelineConfig(2, 4), r"mesh axis 'stage' has 4 devices, the pipeline 2 stages"),

@@ -106,6 +106,17 @@ def test_no_pipeline_on_one_node_with_ample_memory():
     assert p.pipeline is None and "pipeline: none" in p.explain()
 
 
+def test_auto_says_why_it_tried_no_pipeline():
+    ref = reference("gpt-tiny", scan=True, n_layers=7)
+    p = shardplan.plan(ref.train_step, jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(16, abstract=True),
+                       mesh=shardplan.load_mesh("cpu-8", axes={"data": 8}), pipeline="auto", cache=False,
+                       time_limit=2)
+    assert p.pipeline is None
+    (why,) = [w for w in p.warnings if "pipeline='auto'" in w]
+    assert "none of its stage counts [2, 4, 8] divides the 7 layers" in why and "pipeline=N" in why
+    assert why in p.explain()
+
+
 def test_a_pipeline_across_a_slow_link_when_memory_is_tight(two_nodes):
     ample = _plan(two_nodes, "auto", d_model=128, d_ff=512)
     assert ample.pipeline is None                 # everything fits inside a node: no bubble to pay

@@ -31,6 +31,46 @@ def test_parameter_bytes_fall_as_budget_tightens(wide):
     assert tight.cost.memory_bytes_by_role["params"] < full      # not trivially replicated
 
 
+def test_a_plan_that_cannot_beat_the_best_so_far_is_not_solved_under_the_budget(wide):
+    from shardplan.planner import PlannerOptions
+    from shardplan.search import plan_traced
+    from shardplan.trace import CallSpec, trace_step
+    ref, state, batch = wide
+    mesh = shardplan.load_mesh("h100-8")
+    traced = trace_step(ref.train_step, (state, batch), {}, CallSpec(donate_argnums=(0,)))
+    options = PlannerOptions(time_limit=3)
+    loose, _ = plan_traced(traced, mesh, 2**40, options, cache=False)
+    budget = int(loose.cost.memory_bytes * 0.3)
+    tight, _ = plan_traced(traced, mesh, budget, options, cache=False)
+    assert tight.cost.memory_bytes <= budget and tight.cost.step_s > loose.cost.step_s
+    # An outer search's best so far is the unconstrained optimum: no plan under the budget can
+    # beat it, so the planner stops at that optimum, over the budget.
+    cut, _ = plan_traced(traced, mesh, budget, options, cache=False, beat=loose.cost.step_s)
+    assert cut.cost.memory_bytes > budget and cut.cost.step_s == pytest.approx(loose.cost.step_s)
+    # A best so far that the budgeted plan beats: planned under the budget as without one.
+    kept, _ = plan_traced(traced, mesh, budget, options, cache=False, beat=tight.cost.step_s * 2)
+    assert kept.cost.memory_bytes <= budget and kept.cost.step_s == pytest.approx(tight.cost.step_s)
+
+
+def test_a_mesh_searched_by_axes_skips_the_search_where_no_plan_can_beat_the_best_so_far():
+    from shardplan.planner import PlannerOptions
+    from shardplan.search import plan_traced
+    from shardplan.trace import CallSpec, trace_step
+    ref = reference("gpt-tiny", scan=True)
+    traced = trace_step(ref.train_step, (jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)),
+                        {}, CallSpec(donate_argnums=(0,)))
+    mesh = shardplan.load_mesh("cpu-8", axes={"data": 2, "fsdp": 2, "model": 2})      # three axes: by axes
+    options = PlannerOptions(time_limit=3)
+    best, _ = plan_traced(traced, mesh, 2**40, options, cache=False)
+    assert best.solver.status == "LOCAL_OPTIMUM"
+    floor = best.solver.bound          # every node at its cheapest: no plan is faster
+    assert 0 < floor <= best.cost.step_s
+    cut, _ = plan_traced(traced, mesh, 2**40, options, cache=False, beat=floor)
+    assert cut.solver.status.startswith("NOT_SOLVED") and cut.cost.step_s >= floor
+    again, _ = plan_traced(traced, mesh, 2**40, options, cache=False, beat=best.cost.step_s * 1.01)
+    assert again.solver.status == "LOCAL_OPTIMUM" and again.cost.step_s == pytest.approx(best.cost.step_s)
+
+
 def test_infeasible_budget_names_smallest_budget_and_largest_tensors(wide):
     ref, state, batch = wide
     with pytest.raises(shardplan.InfeasibleBudgetError, match=r"smallest budget that works is (about|at least) .*"
