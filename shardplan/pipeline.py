@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -330,7 +331,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
 
-    def iteration(carry, t):
+    def iteration(carry, t, pick):
         state, outputs = carry
         # Stage 0 takes item t: microbatch t % M, repeat t // M (its input, or the last stage's
         # output of the repeat before).
@@ -343,13 +344,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # microbatch, where the transposed update all-gathered every stage's microbatch.
         state = jax.tree.map(lambda s, x: _constrain(jnp.where(is_first(s), x[None], s), mesh, config.axis),
                              state, fresh)
-        if R == 1:
-            chunks = jax.tree.map(lambda p: p[:, 0] if D == 1 else p[:, :, 0], params)
-        else:
-            repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)                # each stage's chunk
-            pick = lambda p, r: jax.lax.dynamic_index_in_dim(p, r, 0 if D == 1 else 1, keepdims=False)
-            chunks = jax.tree.map(lambda p: jax.vmap(pick)(p, repeat), params)
-        out = jax.vmap(run_chunk)(chunks, state)
+        out = jax.vmap(run_chunk)(pick(t), state)
         out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
@@ -359,7 +354,33 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         state = jax.tree.map(lambda a: _constrain(stage_shift(a), mesh, config.axis), out)
         return (state, outputs), None
 
-    (_, outputs), _ = jax.lax.scan(iteration, (state, outputs), jnp.arange(config.iterations))
+    # Stage s works on round r = (t - s) // M of its item (clipped while idle). The loop runs as
+    # segments: where every stage is in the same round its chunk of weights is a static slice of
+    # the parameters (loop-invariant, so the backward loop reads it from them); only in the S - 1
+    # trips after each round starts on stage 0 do the stages' rounds differ, and there each
+    # stage's chunk is selected, a value the backward loop keeps per trip. (One loop picking by a
+    # dynamic index kept every trip's chunk: llama3-70b on 4 stages x 2 rounds, 184 GiB a device.)
+    def same_round(r):
+        return lambda t: jax.tree.map(lambda p: p[:, r] if D == 1 else p[:, :, r], params)
+
+    def new_round(r):
+        def pick(t):
+            started = stage_ids <= t - r * M           # the stages already on round r
+            def one(p):
+                new, old = (p[:, r], p[:, r - 1]) if D == 1 else (p[:, :, r], p[:, :, r - 1])
+                return jnp.where(started.reshape((S,) + (1,) * (new.ndim - 1)), new, old)
+            return jax.tree.map(one, params)
+        return pick
+
+    segments = [(0, M if R > 1 else config.iterations, same_round(0))]
+    for r in range(1, R):
+        segments.append((r * M, r * M + S - 1, new_round(r)))
+        segments.append((r * M + S - 1, (r + 1) * M if r < R - 1 else config.iterations, same_round(r)))
+    carry = (state, outputs)
+    for lo, hi, pick in segments:
+        if hi > lo:
+            carry, _ = jax.lax.scan(functools.partial(iteration, pick=pick), carry, jnp.arange(lo, hi))
+    outputs = carry[1]
     if D == 1:
         return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((batch,) + a.shape[2:]), outputs)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2).reshape((batch,) + a.shape[3:]), outputs)

@@ -106,6 +106,9 @@ class Plan:
     # how its shardplan.attention calls were traced (shardplan.sequence.ContextConfig.to_json()),
     # None: as jax.nn.dot_product_attention
     context: dict | None = None
+    # the traced step moves a pipeline's stages (shardplan.pipeline.stage_shift): with ``pipeline``
+    # None, a pipeline of the step's own (traced inside shardplan.pipelined), planned around
+    stage_shifts: bool = False
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -157,7 +160,9 @@ class Plan:
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
                                       or "none"),
-                 "pipeline: " + (self.pipeline_config().describe() if self.pipeline else "none"),
+                 "pipeline: " + (self.pipeline_config().describe() if self.pipeline else
+                                 "the step's own (traced inside pipelined(...)), planned around" if self.stage_shifts
+                                 else "none"),
                  "recomputation: " + _describe_remat(self.remat),
                  "context parallelism: " + (self.context_config().describe() if self.context else "none"),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
@@ -222,7 +227,8 @@ class Plan:
                          for k, r in self.rewrites.items()},
             "cost": dataclasses.asdict(self.cost), "solver": solver,
             "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings),
-            "pipeline": self.pipeline, "remat": self.remat, "context": self.context}
+            "pipeline": self.pipeline, "remat": self.remat, "context": self.context,
+            "stage_shifts": self.stage_shifts}
 
     def to_json(self) -> str:
         """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
@@ -279,7 +285,8 @@ class Plan:
             remat=None if data.get("remat") is None else {"sites": [
                 {"key": str(r["key"]), "where": str(r["where"]), "layers": int(r["layers"]),
                  "policy": str(r["policy"])} for r in data["remat"]["sites"]]},
-            context=None if data.get("context") is None else dict(data["context"]))
+            context=None if data.get("context") is None else dict(data["context"]),
+            stage_shifts=bool(data.get("stage_shifts", False)))
 
     def _inconsistency(self) -> str:
         """What makes a loaded plan unusable, or ``""``."""

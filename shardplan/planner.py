@@ -485,6 +485,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 result_pins=result_pins, rewrites=rewrites,
                 cost=cost, solver=stats,
                 fingerprint=graph_fingerprint(graph), signature=signature(graph), warnings=tuple(graph.warnings),
+                stage_shifts=bool(graph.shifts),
                 in_tree=in_tree, out_tree=out_tree, mesh_spec=mesh)
 
 

@@ -87,6 +87,7 @@ CASES = [
     # Each data rank's row group with its own copy of the stage's weights, summed after the loop.
     ("gpt-tiny", {"stage": 2, "data": 4}, PipelineConfig(2, 4, batch_axes="data", replicas=4)),
     ("llama-tiny", {"stage": 2, "data": 2, "model": 2}, PipelineConfig(2, 2, "circular", repeats=2, replicas=2)),
+    ("gpt-tiny", {"stage": 2, "data": 2}, PipelineConfig(2, 4, "circular", repeats=4)),
 ]
 
 
@@ -105,6 +106,20 @@ def test_pipelined_step_matches_the_unpipelined_step(model, axes, config):
         assert "all-to-all" in compiled
     elif "model" not in axes:
         assert "all-to-all" not in compiled
+
+
+def test_the_circular_schedule_keeps_no_chunk_of_weights_per_trip():
+    """Each stage's chunk of weights is a static slice where every stage is in one round; only the
+    S - 1 trips after a round starts select chunks (kept for the backward loop). A loop picking the
+    chunk by the trip's round kept one per trip: 33 here, more than the whole program holds now."""
+    mesh = _mesh({"stage": 2})
+    params, x = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32), jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    config = PipelineConfig(2, 8, "circular", repeats=4)
+    with pipelined(config, mesh):
+        compiled = jax.jit(jax.grad(_toy_loss), in_shardings=(NamedSharding(mesh, P("stage")),
+                                                              NamedSharding(mesh, P()))).lower(params, x).compile()
+    chunk = 256 * 256 * 4                    # one layer a chunk (8 layers, 2 stages x 4 rounds), per device
+    assert compiled.memory_analysis().temp_size_in_bytes < config.iterations * chunk
 
 
 def test_pipelined_sgd_parameters_match():
@@ -231,6 +246,8 @@ def test_the_planner_plans_around_a_pipeline(model, axes, config):
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     plan = step.plan
     assert not plan.warnings, plan.warnings
+    assert plan.pipeline is None and plan.stage_shifts
+    assert "pipeline: the step's own (traced inside pipelined(...)), planned around" in plan.explain()
     if config.schedule is Schedule.GPIPE:     # each stage's layers where the stage runs them
         stacked = [r for r in plan.inputs if "['layers']" in r.name and r.role == "params"]
         assert stacked and all(tuple(r.spec[0]) == ("stage",) for r in stacked), [(r.name, r.spec) for r in stacked]
