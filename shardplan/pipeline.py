@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a stack of layers: an SPMD pipeline in one ``jax.lax.scan``.
+"""Pipeline parallelism over a stack of layers: an SPMD pipeline in ``jax.lax.scan``.
 
 A model marks its layer stack with :func:`layer_scan` in place of ``jax.lax.scan`` (the one line
 a user writes). Outside :func:`pipelined` it *is* ``jax.lax.scan``. Inside, the stack runs as a
@@ -16,7 +16,10 @@ pipeline over one mesh axis, the stage axis:
   axis), then the results move one stage on (a roll of the stage dimension, which XLA's
   partitioner emits as a collective-permute of one stage's state; its gradient is the roll back,
   another, where JAX's own transpose of a roll would move two); stage 0 takes the next microbatch, or under the
-  circular schedule the one coming back from the last stage for its next repeat.
+  circular schedule the one coming back from the last stage for its next repeat. GPipe's loop
+  is one ``jax.lax.scan``; the circular schedule's runs as ``2 * repeats - 1`` of them, so that
+  each stage's chunk of weights is a static slice of the parameters wherever all stages are in
+  one round (the backward loop would otherwise keep each trip's chunk).
 
 The backward pass is the transpose of that loop, which JAX derives: the microbatches flow back
 through the stages in reverse. GPipe keeps every microbatch's activations until the backward
