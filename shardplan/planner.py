@@ -95,13 +95,15 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     enum = Enumerator(graph, model, donated_outputs, fixed, fed)
     start = time.perf_counter()
 
+    made: dict[tuple, Plan] = {}        # the plan ``unwanted`` made, by its choice: returned as it is
+
     def unwanted(problem, choice, sol) -> bool:
         """Whether the unconstrained optimum ``choice`` is no faster than ``beat``."""
         if beat == math.inf:
             return False
-        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start)
-        made = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
-        return made.cost.step_s >= beat
+        plan = _make_plan(graph, enum, problem, choice, sol.stats, mesh, input_args, in_tree, out_tree, out_names)
+        made[tuple(choice)] = plan
+        return plan.cost.step_s >= beat
 
     with Status() as line:       # ended whatever happens: an error never lands on it
         # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
@@ -113,7 +115,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
             problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
                                                        unwanted)
         stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
-        plan = _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
+        plan = dataclasses.replace(made[tuple(choice)], solver=stats) if tuple(choice) in made else \
+            _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
         # The plan's step: the objective and what no choice changes (shard_map bodies).
         if stats.status.startswith("NOT_SOLVED"):
             line.done(f"not planned: every plan takes at least {stats.bound * 1e3:.3f} ms, no faster than the best so "
