@@ -3,9 +3,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def silenced():
+    """No progress from this thread meanwhile: work done alongside another's, whose lines it
+    would break into (the caller reports its outcome)."""
+    before = getattr(_thread, "silent", False)
+    _thread.silent = True
+    try:
+        yield
+    finally:
+        _thread.silent = before
 
 
 class Progress:
@@ -31,9 +47,10 @@ class Progress:
 
 
 def wanted(stream=None) -> bool:
-    """Whether to show progress: on a terminal, not under CI (``CI`` set), and only on process 0."""
+    """Whether to show progress: on a terminal, not under CI (``CI`` set), only on process 0, and
+    not from a thread :func:`silenced`."""
     stream = stream or sys.stderr
-    if os.environ.get("CI") or not getattr(stream, "isatty", lambda: False)():
+    if getattr(_thread, "silent", False) or os.environ.get("CI") or not getattr(stream, "isatty", lambda: False)():
         return False
     import jax
     return jax.process_index() == 0

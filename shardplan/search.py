@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import threading
 from collections.abc import Callable
 
 from shardplan import cache as plan_cache
@@ -17,7 +19,7 @@ from shardplan.mesh import MeshSpec
 from shardplan.pipeline import PipelineError
 from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
-from shardplan.progress import Status
+from shardplan.progress import Status, silenced
 from shardplan.sizes import parse_bytes
 from shardplan.trace import TracedStep
 
@@ -99,15 +101,20 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
 
     met = {}             # the layer classes of the last trace, kept when its plan does not fit
 
-    def plan_in(cand, choices, beat=math.inf):
-        """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
-        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower)."""
+    def traced_in(cand, choices):
         traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes)
         met.clear()
         met.update(sites)
         if traced is None:
             raise _NoLayerScan("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
                                 "layer_scan where the model scans its layers, or plan with pipeline='off')")
+        return traced, sites
+
+    def plan_in(cand, choices, beat=math.inf, traced=None):
+        """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
+        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower).
+        ``traced``: the step traced in ``cand`` (``traced_in``'s), if it was already."""
+        traced, sites = traced if traced is not None else traced_in(cand, choices)
         budget = budget_for(memory_budget, cand.mesh)
         # Where the plan without the budget does not fit and is no faster than ``beat``, the
         # planner stops there (under the budget it only gets slower).
@@ -117,7 +124,38 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
                                    remat=_remat_record(sites, choices)), (graph, traced), sites
 
+    def keep(found, ties=False):
+        nonlocal best
+        for p, rest in found:
+            if best is None or p.cost.step_s < best[0].cost.step_s or ties and p.cost.step_s == best[0].cost.step_s:
+                best = (p, rest)
+
+    # With pipelines to plan, the plan without one is made on a thread alongside the deepest
+    # stage count's (CP-SAT, most of its time, lets go of the interpreter) and joins the best
+    # so far only after them: the same point whatever the machine, so the plan does not depend
+    # on how fast either finishes.
+    alongside, deepest = None, next((c.config.stages for c in cands if c is not None and c.config is not None), None)
+
+    def join_alongside():
+        nonlocal alongside
+        if alongside is None:
+            return
+        wait, alongside = alongside, None
+        try:
+            got = wait()
+        except InfeasibleBudgetError as e:
+            failures.append(e)
+            with Status() as line:
+                line.done("without a pipeline (planned alongside): no plan fits the budget")
+            return
+        with Status() as line:
+            line.done(f"without a pipeline (planned alongside): {got[0].solver.status}, predicted step "
+                      f"{got[0].cost.step_s * 1e3:.3f} ms")
+        keep([got[:2]], ties=True)           # the same step: no pipeline is the simpler plan
+
     for k, cand in enumerate(cands):
+        if alongside is not None and (cand is None or cand.config is None or cand.config.stages != deepest):
+            join_alongside()
         if cand is None:
             if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
                 with Status() as line:
@@ -128,6 +166,12 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
             with Status() as line:
                 line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
         try:
+            if remat != "auto" and cand.config is None and deepest is not None:
+                alongside = _on_thread(functools.partial(plan_in, cand, remat, traced=traced_in(cand, remat)))
+                with Status() as line:
+                    line.done(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next "
+                              f"({deepest} stages)")
+                continue
             if remat != "auto":
                 got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
                 found = [] if got is None else [got[:2]]      # None: no faster than the best so far
@@ -160,9 +204,8 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
             if isinstance(e, _NoLayerScan):
                 break              # no other pipeline applies either
             continue
-        for p, rest in found:
-            if best is None or p.cost.step_s < best[0].cost.step_s:
-                best = (p, rest)
+        keep(found)
+    join_alongside()
     if best is None:
         # The least memory any candidate needed, else why none applied.
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
@@ -174,6 +217,30 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
             "remat='auto': the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
             "recomputation could be chosen; the step is planned as written",)), best[1])
     return best
+
+
+def _on_thread(work: Callable[[], object]) -> Callable[[], object]:
+    """``work()`` started on a thread, silenced (:func:`shardplan.progress.silenced`); the
+    returned function waits for its result (or raises its error). Waiting on an Event, not
+    ``Thread.join``, keeps Ctrl-C working (see :func:`shardplan.solver._solve_interruptibly`)."""
+    box, done = {}, threading.Event()
+
+    def run():
+        try:
+            with silenced():
+                box["value"] = work()
+        except BaseException as e:          # handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+    threading.Thread(target=run, name="shardplan-plan", daemon=True).start()
+
+    def result():
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    return result
 
 
 def traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:

@@ -174,3 +174,22 @@ def test_a_pipelined_plan_runs_saves_and_loads(tmp_path):
     edited = Path(path).read_text().replace('"stages": 4', '"stages": 3')
     with pytest.raises(PlanFileError, match=r"pipeline's 3 stages are not a mesh axis 'stage' of that size"):
         shardplan.Plan.from_json(edited, source="edited")
+
+
+def test_the_plan_made_alongside_is_silent_and_hands_back_its_result_or_error(monkeypatch):
+    from shardplan import progress
+    from shardplan.search import _on_thread
+
+    class Tty:
+        def isatty(self):
+            return True
+    monkeypatch.delenv("CI", raising=False)
+    assert progress.wanted(Tty())             # a terminal: progress shown here
+    assert _on_thread(lambda: (progress.wanted(Tty()), 7))() == (False, 7)    # not from the thread
+    assert progress.wanted(Tty())
+
+    def fails():
+        raise shardplan.InfeasibleBudgetError("no plan fits", budget_bytes=1, min_feasible_bytes=2,
+                                              largest_tensors=[])
+    with pytest.raises(shardplan.InfeasibleBudgetError, match="no plan fits"):
+        _on_thread(fails)()
