@@ -184,6 +184,16 @@ class CostModel:
     def memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
         """Bytes one device's memory holds for its shard: :meth:`per_device_bytes`, laid out in
         tiles on a TPU (:mod:`shardplan.layout`). Collectives move the unpadded bytes."""
+        key = ("bytes", tuple(shape), itemsize, spec)
+        try:
+            n = self._memo.get(key)
+        except TypeError:            # a spec given as lists: not kept
+            return self._memory_bytes(shape, itemsize, spec)
+        if n is None:
+            n = self._memo[key] = self._memory_bytes(shape, itemsize, spec)
+        return n
+
+    def _memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
         if not self.tiled:
             return self.per_device_bytes(shape, itemsize, spec)
         local = [math.ceil(size / self.shards(axes)) if axes else size for size, axes in zip(shape, spec)]

@@ -8,7 +8,6 @@ of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 import itertools
@@ -81,6 +80,7 @@ class Enumerator:
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
+        self._ends: tuple | None = None          # build()'s node of each tensor, edge and dot operand
         # Tables priced for some options of their two nodes (:meth:`build` with ``allowed``),
         # by (edge or dot and side, options of one node, of the other): a search by mesh axes
         # asks for the same ones round after round.
@@ -128,12 +128,16 @@ class Enumerator:
                     [-1] + [c for c in usable if all(n % size == 0 and n >= size for n in sizes[c])] if size > 1
                     else [-1] for axis, size in zip(self.axes, self.sizes)]
         options = []
+        splits: dict[tuple, bool] = {}       # (class, axes): whether every size divides; one axis always does
         for pick in itertools.product(*per_axis):
             option: dict[int, tuple[str, ...]] = {}
             for axis, c in zip(self.axes, pick):
                 if c >= 0:
                     option[c] = option.get(c, ()) + (axis,)
-            if all(n % self.m.shards(axes) == 0 for c, axes in option.items() for n in sizes[c]):
+            for c, axes in option.items():
+                if len(axes) > 1 and (c, axes) not in splits:
+                    splits[(c, axes)] = all(n % self.m.shards(axes) == 0 for n in sizes[c])
+            if all(len(axes) == 1 or splits[(c, axes)] for c, axes in option.items()):
                 options.append(option)
         return options
 
@@ -430,10 +434,22 @@ class Enumerator:
             options = all_options[len(nodes)]
             cost = np.zeros(len(options))
             memory = np.zeros((len(points), len(options)))
+            # Tensors whose dims fall in the same classes share their specs, and of the same
+            # shape their bytes: a group's hundreds of tensors have a few dozen of each.
+            specs_of_classes: dict[tuple, list] = {}
+            bytes_of: dict[tuple, np.ndarray] = {}
             for t in ranked:
-                specs = [self.tensor_spec_from(g, t, o) for o in options]
+                tt = g.tensors[t]
+                classes = tuple(g.dim_class(t, d) for d in range(tt.rank))
+                specs = specs_of_classes.get(classes)
+                if specs is None:
+                    specs = specs_of_classes[classes] = [tuple(o.get(c, ()) for c in classes) for o in options]
                 spec_of[t] = specs
-                per_dev = np.array([self._bytes(t, s) for s in specs])
+                key = (classes, tt.shape, tt.dtype.itemsize)
+                per_dev = bytes_of.get(key)
+                if per_dev is None:
+                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, tt.dtype.itemsize, s)
+                                                        for s in specs])
                 if t in self.fed:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
                 if t in g.shifts:
@@ -451,9 +467,14 @@ class Enumerator:
             nodes.append(Node("group", root, options, cost, memory, label, signature))
 
         node_of_dot: dict[int, int] = {}
+        per_option: dict[tuple, np.ndarray] = {}   # dots alike (recomputed, repeated) priced once
         for k, dot in enumerate(g.dots):
             options = all_options[len(nodes)]
-            cost = np.array([dot.mult * self.dot_compute(dot, o) for o in options])
+            alike = (dot.dims, dot.fixed, self.dot_sizes(dot),
+                     *((g.tensors[t].shape, g.tensors[t].dtype.name) for t in (dot.lhs, dot.rhs, dot.out)))
+            if alike not in per_option:
+                per_option[alike] = np.array([self.dot_compute(dot, o) for o in options])
+            cost = dot.mult * per_option[alike]
             node_of_dot[k] = len(nodes)
             shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
             signature = hash((dot.dims, shapes, dot.source, tuple(options)))
@@ -471,17 +492,25 @@ class Enumerator:
         node_of_group, node_of_dot = full.node_of_group, full.node_of_dot
         if allowed is None:
             allowed = [None] * len(full.nodes)
-        nodes = [dataclasses.replace(n, cost=n.cost.copy()) if ok is None else
-                 dataclasses.replace(n, options=[n.options[i] for i in ok], cost=n.cost[ok], memory=n.memory[:, ok],
-                                     signature=hash((n.signature, tuple(ok))))
+        # (Node(...) rather than dataclasses.replace: this runs for every node at every step of
+        # a by-axes search.)
+        nodes = [Node(n.kind, n.key, n.options, n.cost.copy(), n.memory, n.label, n.signature) if ok is None else
+                 Node(n.kind, n.key, [n.options[i] for i in ok], n.cost[ok], n.memory[:, ok], n.label,
+                      hash((n.signature, tuple(ok))))
                  for n, ok in zip(full.nodes, allowed)]
         edges = EdgeTables()
         if not tables:
             return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)
+        if self._ends is None:      # each grouped tensor's node; each edge's and dot operand's nodes
+            self._ends = ([(t, node_of_group[g.group_of(t)]) for t in full_specs],
+                          [(node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]) for e in g.edges],
+                          [[node_of_group[g.group_of(tid)] for tid in (d.lhs, d.rhs, d.out)] for d in g.dots])
+        tensor_nodes, edge_nodes, dot_nodes = self._ends
         spec_of = {}
-        for t, specs in full_specs.items():
-            ok = allowed[node_of_group[g.group_of(t)]]
-            spec_of[t] = specs if ok is None else [specs[i] for i in ok]
+        for t, n in tensor_nodes:
+            ok = allowed[n]
+            spec_of[t] = full_specs[t] if ok is None else [full_specs[t][i] for i in ok]
+        kept_keys = [None if ok is None else tuple(ok) for ok in allowed]
 
         def add_table(a: int, b: int, table: np.ndarray) -> None:
             if a == b:
@@ -536,13 +565,12 @@ class Enumerator:
             """``price()``, or the table priced before for these options of nodes ``a`` and ``b``."""
             if allowed[a] is None or allowed[b] is None:
                 return price()
-            key += (tuple(allowed[a]), tuple(allowed[b]))
+            key += (kept_keys[a], kept_keys[b])
             if key not in self._tables:
                 self._tables[key] = price()
             return self._tables[key]
 
-        for i, e in enumerate(g.edges):
-            a, b = node_of_group[g.group_of(e.src)], node_of_group[g.group_of(e.dst)]
+        for i, (e, (a, b)) in enumerate(zip(g.edges, edge_nodes)):
             add_table(a, b, kept(("edge", i), a, b, lambda e=e: price_edge(e)))
 
         def price_dot(dot, role: str, tid: int, derived, groups) -> np.ndarray:
@@ -569,8 +597,7 @@ class Enumerator:
             options = nodes[node].options
             specs = functools.cache(lambda options=options: ([self.dot_specs(dot, o) for o in options],
                                                              [self.partial_groups(dot, o) for o in options]))
-            for role, tid in (("lhs", dot.lhs), ("rhs", dot.rhs), ("out", dot.out)):
-                other = node_of_group[g.group_of(tid)]
+            for role, tid, other in zip(("lhs", "rhs", "out"), (dot.lhs, dot.rhs, dot.out), dot_nodes[k]):
                 add_table(node, other, kept(("dot", k, role), node, other,
                                             lambda dot=dot, role=role, tid=tid, specs=specs:
                                             price_dot(dot, role, tid, *specs())))
