@@ -432,7 +432,8 @@ class CostModel:
         ``share - 1`` others into one collective (see :mod:`shardplan.combine`)."""
         # Specs are numbered once per table side, so a cell costs a lookup of two small ints.
         ids = self._ids
-        rows = [(p, tuple(part), _groups_key(grp)) for p, part, grp in rows]
+        rows = [(p, part if type(part) is tuple else tuple(part), None if grp is None else _groups_key(grp))
+                for p, part, grp in rows]
         row_ids = tuple(ids.setdefault(("row",) + r, len(ids)) for r in rows)
         col_ids = tuple(ids.setdefault(("col", c), len(ids)) for c in cols)
         dims = np.asarray(shape, dtype=np.int64)

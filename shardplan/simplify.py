@@ -124,7 +124,7 @@ def eliminate_dead_ends(problem: Problem, *, memory: bool, rounds: int = 6) -> t
                 ok &= (node.memory[:, None, :] >= node.memory[:, :, None]).all(axis=0).T
             np.fill_diagonal(ok, False)
             alive = np.ones(k, bool)
-            for i in range(k):
+            for i in np.flatnonzero(ok.any(axis=1)):      # only an option something beats can go
                 if ok[i, alive].any():
                     alive[i] = False
             if alive.all():
