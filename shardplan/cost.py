@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from shardplan.layout import tiled, tpu_bytes
 from shardplan.mesh import MeshSpec
+from shardplan.splitk import gpu_of
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -154,6 +155,7 @@ class CostModel:
         self._sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
         self._links = {a.name: a.link for a in mesh.axes}
         self.tiled = tiled(mesh.device.name)           # a TPU: arrays in tiles (shardplan.layout)
+        self.gpu = gpu_of(mesh.device.name)             # an NVIDIA GPU: matmuls split K ways (shardplan.splitk)
         # The planner asks the same questions of many tensors of one shape: answers are memoised
         # per instance (a method-level cache would keep every model alive for good).
         self._memo: dict[tuple, Any] = {}

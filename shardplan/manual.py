@@ -28,9 +28,11 @@ import math
 from collections.abc import Mapping
 
 import jax.extend.core as jax_core
+import jax.numpy as jnp
 
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
 from shardplan.liveness import FUSIBLE, REDUCTIONS
+from shardplan.splitk import Gpu, dims_of, partial_bytes, split_k
 from shardplan.walk import CALL_PRIMITIVES, sub_jaxpr
 
 Spec = tuple[tuple[str, ...], ...]
@@ -93,7 +95,7 @@ def _add(into: dict, other: Mapping, times: float) -> None:
 
 
 def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen: dict | None = None,
-               results: tuple = ()) -> BodyCosts:
+               results: tuple = (), gpu: Gpu | None = None) -> BodyCosts:
     """The collectives and matmuls of one run of a manual body (a ``jax.core.Jaxpr`` on
     per-device shapes). A ``scan`` counts its body ``length`` times; of a ``cond``'s branches the
     costliest counts (the slowest device sets the pace); a ``while`` loop's body once (its trip
@@ -103,7 +105,9 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
     ``seen``: what the regions counted so far share (``{}`` to start). XLA computes one
     ``ppermute`` of one array once in a program (common-subexpression elimination), so a region
     that permutes values another region permuted alike (ring attention's backward rotating the
-    K/V blocks its forward rotated first, or returned to it) does not count it again."""
+    K/V blocks its forward rotated first, or returned to it) does not count it again. ``gpu``:
+    the GPU the body runs on (:func:`shardplan.splitk.gpu_of`), whose matmuls XLA may split K
+    ways (their float32 partial sums written, then reduced by a second kernel)."""
     comms: list[tuple[Comm, float]] = []
     flops: dict[str, float] = {}
     dot_bytes: dict[str, float] = {}
@@ -143,6 +147,14 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
             dtype = lhs.dtype.name
             flops[dtype] = flops.get(dtype, 0.0) + 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
             dot_bytes[dtype] = dot_bytes.get(dtype, 0.0) + _nbytes(lhs) + _nbytes(rhs) + _nbytes(out)
+            if gpu is not None and all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
+                b, m, n, k, contracting = dims_of(lhs.shape, rhs.shape, p["dimension_numbers"])
+                split = split_k(b, m, n, k, gpu, lhs_bits=8 * lhs.dtype.itemsize, rhs_bits=8 * rhs.dtype.itemsize,
+                                out_bits=8 * out.dtype.itemsize, contracting=contracting)
+                if split > 1:
+                    partials = partial_bytes(b, m, n, split)
+                    dot_bytes[dtype] += partials - _nbytes(out)      # written in place of the result
+                    hbm += partials + _nbytes(out)                   # read and reduced by a second kernel
         else:
             subs = _sub_jaxprs(eqn)
             if not subs:
@@ -156,7 +168,7 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
                             stored.add(v)
                             hbm += 2 * _nbytes(v.aval)
                 continue
-            inner = [body_costs(j, mesh_sizes) for j in subs]
+            inner = [body_costs(j, mesh_sizes, gpu=gpu) for j in subs]
             if prim == "cond":
                 inner = [max(inner, key=lambda c: (sum(f for f in c.flops.values()),
                                                    sum(cm.nbytes * n for cm, n in c.comms)))]

@@ -443,7 +443,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
     seen: dict = {}
     for r in graph.manual:                   # shard_map bodies: what they do whatever the plan
-        costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results)
+        costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results, gpu=model.gpu)
         for c, runs in costs.comms:
             account([(c, model.collective_time(c) * runs * r.mult)], runs * r.mult, r.out)
         seconds = costs.hbm_bytes / mesh.device.hbm_bandwidth

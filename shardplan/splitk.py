@@ -1,0 +1,91 @@
+"""XLA's split-K rewrite of GPU matmuls, priced.
+
+On NVIDIA GPUs from Ampere on (Triton GEMMs on, XLA's default), XLA's ``SplitkRewriter``
+(``xla/backends/gpu/transforms/splitk_rewriter.cc``, ``ChooseSplitK`` /
+``EstimateGemmCostAfterSplitK``) rewrites a matmul with little ``M x N`` parallelism and a long
+contraction into ``split_k`` partial matmuls: it writes float32 partial sums ``[split_k, batch,
+M, N]`` and reduces them in a second kernel. The choice depends on shapes, bit widths, the
+GPU's SM count and its architecture only, not on autotuning, so a deviceless compile makes it as
+a real GPU does. This module is that choice, written from the formula (its weights as compiled
+into jaxlib 0.10.2's CUDA plugin), so the planner prices the partial sums' bytes: attention's
+per-chunk matmuls (``[2048, 128]`` results over 512 keys: split 4 on an H100) and the weight
+gradients of small layers (``[768, 768]`` over 32768 tokens: split 4) are such matmuls.
+
+Checked against the GPU compiler by ``tests/test_splitk.py`` (the partial sums' shapes in the
+compiled program); :func:`split_k` returns 1 (no split) on any other device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# (weight of compute, of memory, of the reduction, fixed cost of a split) per architecture.
+_WEIGHTS = {
+    "ampere": (100.0, 0.0666955, 467.815, 5.65307e7),
+    "hopper": (100.0, 0.194136, 193.1384, 4.36e7),
+    "blackwell": (100.0, 0.0848863, 189.711, 1.21563e8),
+}
+_ARCH = {8: "ampere", 9: "hopper", 10: "blackwell"}
+_SPLITS = tuple(2 ** i for i in range(12))          # 1 .. 2048
+_TILE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What the split-K choice reads of a GPU: its SM count and architecture."""
+
+    cores: int
+    arch: str
+
+
+def gpu_of(device_name: str) -> Gpu | None:
+    """The GPU a device name names (one of :mod:`shardplan.targets`' GPU families, Ampere or
+    newer), else ``None``: no split-K."""
+    from shardplan.targets import _GPU_FAMILIES
+    name = device_name.lower()
+    family = next((f for f in _GPU_FAMILIES if f in name), None)
+    if family is None:
+        return None
+    f = _GPU_FAMILIES[family]
+    arch = _ARCH.get(f["major"])
+    return Gpu(f["core_count"], arch) if arch else None
+
+
+def _cost(batch: int, m: int, n: int, k: int, s: int, gpu: Gpu, lhs_bits: int, rhs_bits: int, out_bits: int) -> float:
+    w_compute, w_memory, w_reduce, fixed = _WEIGHTS[gpu.arch]
+    ek, eb = -(-k // s), batch * s
+    mt, nt = min(m, _TILE), min(n, _TILE)
+    waves = max(1.0, eb * -(-m // _TILE) * -(-n // _TILE) / (gpu.cores * (_TILE * _TILE) / (mt * nt)))
+    compute = 2 * mt * nt * ek * waves * w_compute
+    memory = (batch * k * (m * lhs_bits + n * rhs_bits) / 8 + m * n * eb * (32 if s > 1 else out_bits) / 8) * w_memory
+    cost = max(compute, memory)
+    if s > 1:
+        cost += fixed + (eb * m * n * 32 / 8 + batch * m * n * out_bits / 8) * w_reduce
+    return cost
+
+
+def split_k(batch: int, m: int, n: int, k: int, gpu: Gpu | None, *, lhs_bits: int = 16, rhs_bits: int = 16,
+            out_bits: int = 16, contracting: int = 1) -> int:
+    """The number of partial sums XLA splits a ``[batch, m, k] x [batch, k, n]`` matmul into on
+    ``gpu`` (1: none). Matmuls with several contracting dimensions, integer operands or a size of
+    zero are not split."""
+    if gpu is None or contracting != 1 or min(batch, m, n, k) <= 0:
+        return 1
+    costs = [_cost(batch, m, n, k, s, gpu, lhs_bits, rhs_bits, out_bits) for s in _SPLITS]
+    return _SPLITS[costs.index(min(costs))]           # the first of equals: the smaller split
+
+
+def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
+    """Bytes of the float32 partial sums of a matmul split ``s`` ways (0 unsplit)."""
+    return 0.0 if s <= 1 else 4.0 * s * batch * m * n
+
+
+def dims_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int, int]:
+    """``(batch, m, n, k, contracting dims)`` of a ``dot_general``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    batch = math.prod(lhs_shape[d] for d in lb)
+    k = math.prod(lhs_shape[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
+    return batch, m, n, k, len(lc)
