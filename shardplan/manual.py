@@ -148,9 +148,9 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
             flops[dtype] = flops.get(dtype, 0.0) + 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
             dot_bytes[dtype] = dot_bytes.get(dtype, 0.0) + _nbytes(lhs) + _nbytes(rhs) + _nbytes(out)
             if gpu is not None and all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
-                b, m, n, k, contracting = dims_of(lhs.shape, rhs.shape, p["dimension_numbers"])
+                b, m, n, k = dims_of(lhs.shape, rhs.shape, p["dimension_numbers"])
                 split = split_k(b, m, n, k, gpu, lhs_bits=8 * lhs.dtype.itemsize, rhs_bits=8 * rhs.dtype.itemsize,
-                                out_bits=8 * out.dtype.itemsize, contracting=contracting)
+                                out_bits=8 * out.dtype.itemsize)
                 if split > 1:
                     partials = partial_bytes(b, m, n, split)
                     dot_bytes[dtype] += partials - _nbytes(out)      # written in place of the result

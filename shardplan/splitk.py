@@ -3,7 +3,7 @@
 On NVIDIA GPUs from Ampere on (Triton GEMMs on, XLA's default), XLA's ``SplitkRewriter``
 (``xla/backends/gpu/transforms/splitk_rewriter.cc``, ``ChooseSplitK`` /
 ``EstimateGemmCostAfterSplitK``) rewrites a matmul with little ``M x N`` parallelism and a long
-contraction into ``split_k`` partial matmuls: it writes float32 partial sums ``[split_k, batch,
+contraction into ``split_k`` partial matmuls: it writes float32 partial sums ``[batch, split_k,
 M, N]`` and reduces them in a second kernel. The choice depends on shapes, bit widths, the
 GPU's SM count and its architecture only, not on autotuning, so a deviceless compile makes it as
 a real GPU does. This module is that choice, written from the formula (its weights as compiled
@@ -66,11 +66,12 @@ def _cost(batch: int, m: int, n: int, k: int, s: int, gpu: Gpu, lhs_bits: int, r
 
 
 def split_k(batch: int, m: int, n: int, k: int, gpu: Gpu | None, *, lhs_bits: int = 16, rhs_bits: int = 16,
-            out_bits: int = 16, contracting: int = 1) -> int:
+            out_bits: int = 16) -> int:
     """The number of partial sums XLA splits a ``[batch, m, k] x [batch, k, n]`` matmul into on
-    ``gpu`` (1: none). Matmuls with several contracting dimensions, integer operands or a size of
-    zero are not split."""
-    if gpu is None or contracting != 1 or min(batch, m, n, k) <= 0:
+    ``gpu`` (1: none). ``m``, ``n`` and ``k`` are products over a ``dot_general``'s free and
+    contracting dimensions: XLA merges several into one before it splits (checked). The caller
+    leaves out integer matmuls, which are not split."""
+    if gpu is None or min(batch, m, n, k) <= 0:
         return 1
     costs = [_cost(batch, m, n, k, s, gpu, lhs_bits, rhs_bits, out_bits) for s in _SPLITS]
     return _SPLITS[costs.index(min(costs))]           # the first of equals: the smaller split
@@ -81,11 +82,11 @@ def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
     return 0.0 if s <= 1 else 4.0 * s * batch * m * n
 
 
-def dims_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int, int]:
-    """``(batch, m, n, k, contracting dims)`` of a ``dot_general``."""
+def dims_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int]:
+    """``(batch, m, n, k)`` of a ``dot_general``."""
     (lc, rc), (lb, rb) = dimension_numbers
     batch = math.prod(lhs_shape[d] for d in lb)
     k = math.prod(lhs_shape[d] for d in lc)
     m = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb)
     n = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
-    return batch, m, n, k, len(lc)
+    return batch, m, n, k

@@ -373,11 +373,10 @@ class Enumerator:
         if not all(np.issubdtype(t.dtype, np.floating) for t in (lhs, rhs)):
             return 0.0
         batch = m = n = k = 1
-        contracting = 0
         for (l, r, o), size, axes in zip(dot.dims, self.dot_sizes(dot), option):
             local = math.ceil(size / self.m.shards(axes)) if axes else size
             if o is None:
-                k, contracting = k * local, contracting + 1
+                k *= local
             elif l is not None and r is not None:
                 batch *= local
             elif l is not None:
@@ -385,7 +384,7 @@ class Enumerator:
             else:
                 n *= local
         s = split_k(batch, m, n, k, self.m.gpu, lhs_bits=8 * lhs.dtype.itemsize, rhs_bits=8 * rhs.dtype.itemsize,
-                    out_bits=8 * out.dtype.itemsize, contracting=contracting)
+                    out_bits=8 * out.dtype.itemsize)
         return partial_bytes(batch, m, n, s)
 
     # -- the problem ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """XLA's split-K choice for GPU matmuls (shardplan.splitk) against the GPU compiler itself: the
 partial sums it predicts are the ones in the compiled program."""
 
+import math
 import re
 
 import jax
@@ -17,16 +18,20 @@ from shardplan import splitk, targets
     ("h100-8", 768, 768, 32768),       # a small layer's weight gradient: split 4
     ("h100-8", 4096, 4096, 1024),      # a large matmul: not split
     ("a100-8", 128, 512, 2048),        # fewer SMs, other weights: split 8
+    ("h100-8", 128, 512, (4, 512)),    # two contracting dims (heads, rows): merged, then split 16
 ])
 def test_the_split_predicted_is_the_one_the_gpu_compiler_makes(preset, m, n, k):
     if not targets.available("gpu"):
         pytest.skip("the GPU compiler is not installed (pip install 'shardplan[aot]')")
     spec = shardplan.load_mesh(preset, axes={"data": 8})
-    s = splitk.split_k(1, m, n, k, splitk.gpu_of(spec.device.name))
+    ks = k if isinstance(k, tuple) else (k,)
+    s = splitk.split_k(1, m, n, math.prod(ks), splitk.gpu_of(spec.device.name))
     mesh, _ = targets.target_mesh(spec, "gpu")
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
-    text = jax.jit(jnp.dot, in_shardings=(whole, whole), out_shardings=whole).lower(*args).compile().as_text()
+    args = (jax.ShapeDtypeStruct((m, *ks), jnp.bfloat16), jax.ShapeDtypeStruct((*ks, n), jnp.bfloat16))
+    contract = tuple(range(1, 1 + len(ks)))
+    dot = lambda a, b: jax.lax.dot_general(a, b, ((contract, tuple(range(len(ks)))), ((), ())))
+    text = jax.jit(dot, in_shardings=(whole, whole), out_shardings=whole).lower(*args).compile().as_text()
     splits = {int(x) for x in re.findall(rf"f32\[(\d+),{m},{n}\]", text)}
     assert splits == ({s} if s > 1 else set()), (s, splits)
 
@@ -34,6 +39,5 @@ def test_the_split_predicted_is_the_one_the_gpu_compiler_makes(preset, m, n, k):
 def test_no_split_off_nvidia_gpus():
     assert splitk.gpu_of("host CPU (fake device)") is None and splitk.gpu_of("TPU v5e") is None
     assert splitk.split_k(1, 128, 512, 2048, None) == 1
-    assert splitk.split_k(1, 128, 512, 2048, splitk.gpu_of("NVIDIA H100 SXM5 80GB"), contracting=2) == 1
     assert splitk.partial_bytes(1, 128, 512, 1) == 0 and splitk.partial_bytes(2, 128, 512, 16) == 4 * 16 * 2 * 128 * 512
-    assert splitk.dims_of((8, 4, 2048, 512), (8, 512, 128), (((3,), (1,)), ((0,), (0,)))) == (8, 4 * 2048, 128, 512, 1)
+    assert splitk.dims_of((8, 4, 2048, 512), (8, 512, 128), (((3,), (1,)), ((0,), (0,)))) == (8, 4 * 2048, 128, 512)
