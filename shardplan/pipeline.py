@@ -334,6 +334,21 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     state = jax.tree.map(lambda a: _constrain(jnp.zeros((S,) + a.shape[1:], a.dtype), mesh, config.axis), inputs)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
 
+    def salted(chunk, t):
+        """``chunk`` with each stage's microbatch (and row group) folded into its layers' PRNG
+        keys: the layers' random draws (dropout) differ between microbatches as they differ
+        between rows of the whole batch. Without it every microbatch drew the same masks."""
+        ids = (t - stage_ids) % M                    # the microbatch each stage holds
+        if D > 1:
+            ids = ids[:, None] * D + jnp.arange(D)[None, :]
+
+        def fold(k):
+            if not jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key):
+                return k
+            salt = jnp.broadcast_to(ids.reshape(ids.shape + (1,) * (k.ndim - ids.ndim)), k.shape)
+            return jax.vmap(jax.random.fold_in)(k.ravel(), salt.ravel()).reshape(k.shape)
+        return jax.tree.map(fold, chunk)
+
     def iteration(carry, t, pick):
         state, outputs = carry
         # Stage 0 takes item t: microbatch t % M, repeat t // M (its input, or the last stage's
@@ -347,7 +362,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # microbatch, where the transposed update all-gathered every stage's microbatch.
         state = jax.tree.map(lambda s, x: _constrain(jnp.where(is_first(s), x[None], s), mesh, config.axis),
                              state, fresh)
-        out = jax.vmap(run_chunk)(pick(t), state)
+        out = jax.vmap(run_chunk)(salted(pick(t), t), state)
         out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
