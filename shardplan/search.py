@@ -20,6 +20,7 @@ from shardplan.pipeline import PipelineError
 from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status, silenced
+from shardplan.solver import StopToken, stoppable
 from shardplan.sizes import parse_bytes
 from shardplan.trace import TracedStep
 
@@ -140,72 +141,78 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         nonlocal alongside
         if alongside is None:
             return
-        wait, alongside = alongside, None
         try:
-            got = wait()
+            got = alongside()
         except InfeasibleBudgetError as e:
+            alongside = None
             failures.append(e)
             with Status() as line:
                 line.done("without a pipeline (planned alongside): no plan fits the budget")
             return
+        alongside = None
         with Status() as line:
             line.done(f"without a pipeline (planned alongside): {got[0].solver.status}, predicted step "
                       f"{got[0].cost.step_s * 1e3:.3f} ms")
         keep([got[:2]], ties=True)           # the same step: no pipeline is the simpler plan
 
-    for k, cand in enumerate(cands):
-        if alongside is not None and (cand is None or cand.config is None or cand.config.stages != deepest):
-            join_alongside()
-        if cand is None:
-            if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
-                with Status() as line:
-                    line.done("no pipeline of up to 16 stages fits: trying deeper ones")
-                cands += deeper
-            continue
-        if cand.config is not None and len(cands) > 1:
-            with Status() as line:
-                line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
-        try:
-            if remat != "auto" and cand.config is None and deepest is not None:
-                alongside = _on_thread(functools.partial(plan_in, cand, remat, traced=traced_in(cand, remat)))
-                with Status() as line:
-                    line.done(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next "
-                              f"({deepest} stages)")
-                continue
-            if remat != "auto":
-                got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
-                found = [] if got is None else [got[:2]]      # None: no faster than the best so far
-            else:
-                made = {}
-
-                def evaluate(choices, beat=math.inf, cand=cand, made=made):
-                    try:
-                        found = plan_in(cand, choices, beat)
-                    except InfeasibleBudgetError as e:
-                        failures.append(e)
-                        return None
-                    if found is None:
-                        return None
-                    made[id(found[0])] = found[:2]
-                    return found[0]
-
-                def say(text):
+    try:
+        for k, cand in enumerate(cands):
+            if alongside is not None and (cand is None or cand.config is None or cand.config.stages != deepest):
+                join_alongside()
+            if cand is None:
+                if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
                     with Status() as line:
-                        line.done(f"recomputation candidate: {text}")
+                        line.done("no pipeline of up to 16 stages fits: trying deeper ones")
+                    cands += deeper
+                continue
+            if cand.config is not None and len(cands) > 1:
+                with Status() as line:
+                    line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
+            try:
+                if remat != "auto" and cand.config is None and deepest is not None:
+                    alongside = _on_thread(functools.partial(plan_in, cand, remat, traced=traced_in(cand, remat)))
+                    with Status() as line:
+                        line.done(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next "
+                                  f"({deepest} stages)")
+                    continue
+                if remat != "auto":
+                    got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
+                    found = [] if got is None else [got[:2]]      # None: no faster than the best so far
+                else:
+                    made = {}
 
-                first = evaluate({})                 # the step as written: meets its layer classes
-                sites = dict(met)
-                no_layers = no_layers or not sites
-                if sites:
-                    _, first, _ = recompute.search(evaluate, sites, say=say, first=first)
-                found = [] if first is None else [made[id(first)]]
-        except (PipelineError, InfeasibleBudgetError) as e:
-            failures.append(e)
-            if isinstance(e, _NoLayerScan):
-                break              # no other pipeline applies either
-            continue
-        keep(found)
-    join_alongside()
+                    def evaluate(choices, beat=math.inf, cand=cand, made=made):
+                        try:
+                            found = plan_in(cand, choices, beat)
+                        except InfeasibleBudgetError as e:
+                            failures.append(e)
+                            return None
+                        if found is None:
+                            return None
+                        made[id(found[0])] = found[:2]
+                        return found[0]
+
+                    def say(text):
+                        with Status() as line:
+                            line.done(f"recomputation candidate: {text}")
+
+                    first = evaluate({})                 # the step as written: meets its layer classes
+                    sites = dict(met)
+                    no_layers = no_layers or not sites
+                    if sites:
+                        _, first, _ = recompute.search(evaluate, sites, say=say, first=first)
+                    found = [] if first is None else [made[id(first)]]
+            except (PipelineError, InfeasibleBudgetError) as e:
+                failures.append(e)
+                if isinstance(e, _NoLayerScan):
+                    break              # no other pipeline applies either
+                continue
+            keep(found)
+        join_alongside()
+    except BaseException:                # Ctrl-C, or an error: the plan made alongside is given up
+        if alongside is not None:
+            alongside.stop()
+        raise
     if best is None:
         # The least memory any candidate needed, else why none applied.
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
@@ -221,13 +228,14 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
 
 def _on_thread(work: Callable[[], object]) -> Callable[[], object]:
     """``work()`` started on a thread, silenced (:func:`shardplan.progress.silenced`); the
-    returned function waits for its result (or raises its error). Waiting on an Event, not
+    returned function waits for its result (or raises its error), and its ``stop()`` stops the
+    thread's CP-SAT solves (:class:`shardplan.solver.StopToken`). Waiting on an Event, not
     ``Thread.join``, keeps Ctrl-C working (see :func:`shardplan.solver._solve_interruptibly`)."""
-    box, done = {}, threading.Event()
+    box, done, token = {}, threading.Event(), StopToken()
 
     def run():
         try:
-            with silenced():
+            with silenced(), stoppable(token):
                 box["value"] = work()
         except BaseException as e:          # handed to the waiting thread
             box["error"] = e
@@ -240,6 +248,7 @@ def _on_thread(work: Callable[[], object]) -> Callable[[], object]:
         if "error" in box:
             raise box["error"]
         return box["value"]
+    result.stop = token.stop          # given up on: its CP-SAT solve ends at once, the next is not run
     return result
 
 

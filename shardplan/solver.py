@@ -8,6 +8,7 @@ edge formulation); every memory checkpoint is a linear constraint. Costs are int
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -154,7 +155,8 @@ def solve(problem: Problem, *, budget_bytes: float | None, time_limit: float = 3
     # CP-SAT's own SIGINT handler would end the search quietly and hand back a half-searched plan
     # as if it were the answer: Ctrl-C must stop planning instead (KeyboardInterrupt).
     solver.parameters.catch_sigint_signal = False
-    status = _solve_interruptibly(solver, model, callback)
+    with _registered(solver):
+        status = _solve_interruptibly(solver, model, callback)
     if status == cp_model.MODEL_INVALID:   # a bug of ours, never the user's input: say so loudly
         raise RuntimeError(f"shardplan built an invalid CP-SAT model: {model.Validate()}")
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -211,6 +213,56 @@ def _solve_interruptibly(solver, model, callback):
     if "error" in result:
         raise result["error"]
     return result["status"]
+
+
+class Stopped(Exception):
+    """The planning this solve belongs to was stopped from another thread (:class:`StopToken`)."""
+
+
+class StopToken:
+    """Stops the CP-SAT solves of the threads it is given to (:func:`stoppable`): the one
+    running ends at once, the next raises :class:`Stopped`. For planning on a second thread
+    that the caller gives up on (Ctrl-C, or an error of its own)."""
+
+    def __init__(self):
+        self._lock, self._stopped, self._live = threading.Lock(), False, set()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for solver in self._live:
+                solver.StopSearch()
+
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def stoppable(token: StopToken):
+    """This thread's CP-SAT solves meanwhile stop when ``token`` is stopped."""
+    before = getattr(_thread, "token", None)
+    _thread.token = token
+    try:
+        yield
+    finally:
+        _thread.token = before
+
+
+@contextlib.contextmanager
+def _registered(solver):
+    token = getattr(_thread, "token", None)
+    if token is None:
+        yield
+        return
+    with token._lock:
+        if token._stopped:
+            raise Stopped("planning stopped")
+        token._live.add(solver)
+    try:
+        yield
+    finally:
+        with token._lock:
+            token._live.discard(solver)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):

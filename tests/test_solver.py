@@ -1,6 +1,7 @@
 """The ILP, its exact simplification and layer tying, against brute force on small problems."""
 
 import itertools
+import threading
 
 import jax
 import numpy as np
@@ -96,3 +97,27 @@ def test_unrolled_layers_are_planned_alike():
     for leaf in ("['fc']['kernel']", "['qkv']['kernel']", "['out']['kernel']"):
         layer_specs = {specs[f"[0]['params']['layers']['blocks'][{i}]{leaf}"] for i in range(3)}
         assert len(layer_specs) == 1, leaf
+
+
+def test_a_stopped_token_stops_the_solves_of_its_thread():
+    """Planning on a second thread that the caller gave up on (Ctrl-C, an error) stops: the
+    next CP-SAT solve there raises Stopped; other threads' solves are untouched."""
+    from shardplan.search import _on_thread
+    from shardplan.solver import Stopped, StopToken, stoppable
+    problem = _random_problem(0)
+    token = StopToken()
+    token.stop()
+    with stoppable(token), pytest.raises(Stopped):
+        solve(problem, budget_bytes=None, time_limit=5)
+    assert solve(problem, budget_bytes=None, time_limit=5) is not None             # not under the token: solved
+
+    started = threading.Event()
+
+    def work():
+        started.wait()
+        return solve(problem, budget_bytes=None, time_limit=5)
+    wait = _on_thread(work)
+    wait.stop()
+    started.set()
+    with pytest.raises(Stopped):
+        wait()
