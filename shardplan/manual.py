@@ -28,11 +28,10 @@ import math
 from collections.abc import Mapping
 
 import jax.extend.core as jax_core
-import jax.numpy as jnp
 
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
 from shardplan.liveness import FUSIBLE, REDUCTIONS
-from shardplan.splitk import Gpu, dims_of, partial_bytes, split_k
+from shardplan.splitk import Gpu, dims_of, partials
 from shardplan.walk import CALL_PRIMITIVES, sub_jaxpr
 
 Spec = tuple[tuple[str, ...], ...]
@@ -147,14 +146,11 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
             dtype = lhs.dtype.name
             flops[dtype] = flops.get(dtype, 0.0) + 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
             dot_bytes[dtype] = dot_bytes.get(dtype, 0.0) + _nbytes(lhs) + _nbytes(rhs) + _nbytes(out)
-            if gpu is not None and all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
-                b, m, n, k = dims_of(lhs.shape, rhs.shape, p["dimension_numbers"])
-                split = split_k(b, m, n, k, gpu, lhs_bits=8 * lhs.dtype.itemsize, rhs_bits=8 * rhs.dtype.itemsize,
-                                out_bits=8 * out.dtype.itemsize)
-                if split > 1:
-                    partials = partial_bytes(b, m, n, split)
-                    dot_bytes[dtype] += partials - _nbytes(out)      # written in place of the result
-                    hbm += partials + _nbytes(out)                   # read and reduced by a second kernel
+            split = partials(gpu, *dims_of(lhs.shape, rhs.shape, p["dimension_numbers"]), lhs.dtype, rhs.dtype,
+                             out.dtype) if gpu is not None else 0.0
+            if split:
+                dot_bytes[dtype] += split - _nbytes(out)      # written in place of the result
+                hbm += split + _nbytes(out)                   # read and reduced by a second kernel
         else:
             subs = _sub_jaxprs(eqn)
             if not subs:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 # (weight of compute, of memory, of the reduction, fixed cost of a split) per architecture.
 _WEIGHTS = {
     "ampere": (100.0, 0.0666955, 467.815, 5.65307e7),
@@ -80,6 +82,16 @@ def split_k(batch: int, m: int, n: int, k: int, gpu: Gpu | None, *, lhs_bits: in
 def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
     """Bytes of the float32 partial sums of a matmul split ``s`` ways (0 unsplit)."""
     return 0.0 if s <= 1 else 4.0 * s * batch * m * n
+
+
+def partials(gpu: Gpu | None, batch: int, m: int, n: int, k: int, lhs_dtype, rhs_dtype, out_dtype) -> float:
+    """Bytes of the float32 partial sums XLA splits a ``[batch, m, k] x [batch, k, n]`` matmul of
+    these dtypes into on ``gpu`` (0: not split, on any other device and for integer operands)."""
+    if gpu is None or not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
+        return 0.0
+    bits = [8 * jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype)]
+    s = split_k(batch, m, n, k, gpu, lhs_bits=bits[0], rhs_bits=bits[1], out_bits=bits[2])
+    return partial_bytes(batch, m, n, s)
 
 
 def dims_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int]:

@@ -20,7 +20,7 @@ from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
-from shardplan.splitk import partial_bytes, split_k
+from shardplan.splitk import partials
 from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
 
 
@@ -357,21 +357,17 @@ class Enumerator:
         out_bytes = self._bytes(dot.out, prod)
         nbytes = self._bytes(dot.lhs, req_l) + self._bytes(dot.rhs, req_r) + out_bytes
         lhs = self.g.tensors[dot.lhs]
-        partials = self._split_k_partials(dot, option) if self.m.gpu is not None else 0.0
-        if not partials:
+        split = self._split_k_partials(dot, option) if self.m.gpu is not None else 0.0
+        if not split:
             return self.m.compute_time(flops, nbytes, lhs.dtype.name)
         # Split K ways on a GPU (shardplan.splitk): the matmul writes float32 partial sums in
         # place of its result, and a second kernel reads them and writes the result.
-        return self.m.compute_time(flops, nbytes - out_bytes + partials, lhs.dtype.name) + \
-            (partials + out_bytes) / self.m.mesh.device.hbm_bandwidth
+        return self.m.compute_time(flops, nbytes - out_bytes + split, lhs.dtype.name) + \
+            (split + out_bytes) / self.m.mesh.device.hbm_bandwidth
 
     def _split_k_partials(self, dot, option) -> float:
         """Bytes of the float32 partial sums XLA splits this dot option's matmul into on the
         mesh's GPU (:mod:`shardplan.splitk`; 0 unsplit)."""
-        g = self.g
-        lhs, rhs, out = (g.tensors[t] for t in (dot.lhs, dot.rhs, dot.out))
-        if not all(np.issubdtype(t.dtype, np.floating) for t in (lhs, rhs)):
-            return 0.0
         batch = m = n = k = 1
         for (l, r, o), size, axes in zip(dot.dims, self.dot_sizes(dot), option):
             local = math.ceil(size / self.m.shards(axes)) if axes else size
@@ -383,9 +379,8 @@ class Enumerator:
                 m *= local
             else:
                 n *= local
-        s = split_k(batch, m, n, k, self.m.gpu, lhs_bits=8 * lhs.dtype.itemsize, rhs_bits=8 * rhs.dtype.itemsize,
-                    out_bits=8 * out.dtype.itemsize)
-        return partial_bytes(batch, m, n, s)
+        lhs, rhs, out = (self.g.tensors[t].dtype for t in (dot.lhs, dot.rhs, dot.out))
+        return partials(self.m.gpu, batch, m, n, k, lhs, rhs, out)
 
     # -- the problem ------------------------------------------------------------------------------
     def node_options(self) -> list[list]:

@@ -41,3 +41,13 @@ def test_no_split_off_nvidia_gpus():
     assert splitk.split_k(1, 128, 512, 2048, None) == 1
     assert splitk.partial_bytes(1, 128, 512, 1) == 0 and splitk.partial_bytes(2, 128, 512, 16) == 4 * 16 * 2 * 128 * 512
     assert splitk.dims_of((8, 4, 2048, 512), (8, 512, 128), (((3,), (1,)), ((0,), (0,)))) == (8, 4 * 2048, 128, 512)
+
+
+def test_bf16_and_f32_matmuls_alike_pay_their_partial_sums():
+    """bfloat16 is a float to the split (numpy's issubdtype says it is not: the graph's bf16
+    matmuls once went unpriced); integer matmuls are not split."""
+    gpu = splitk.gpu_of("NVIDIA H100 SXM5 80GB")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        assert splitk.partials(gpu, 1, 128, 512, 2048, dtype, dtype, dtype) > 0
+    assert splitk.partials(gpu, 1, 128, 512, 2048, jnp.int8, jnp.int8, jnp.int32) == 0
+    assert splitk.partials(None, 1, 128, 512, 2048, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16) == 0
