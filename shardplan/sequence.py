@@ -9,7 +9,9 @@ the sequence split over ``seq_axes``, the batch over ``batch_axes`` and the head
 ``head_axes``. The planner traces the step once per :class:`ContextConfig` worth trying
 (:func:`candidates`), plans each (the ``shard_map`` fixes the attention's shardings and its
 collectives are priced from its body, :mod:`shardplan.manual`) and keeps the fastest that fits:
-``shardplan.auto(step, mesh=..., context="auto")``; ``plan.context`` says which.
+``shardplan.auto(step, mesh=..., context="auto")``; ``plan.context`` says which. A step that
+calls ``jax.nn.dot_product_attention`` or writes its attention out as einsum-softmax-einsum
+(:mod:`shardplan.einsum_attention`) reaches the same strategies with no change.
 
 >>> out = shardplan.attention(q, k, v, causal=True)          # doctest: +SKIP
 """
@@ -19,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
 
 from shardplan import context as cp
+from shardplan import einsum_attention
 from shardplan.context import LoadBalance, Strategy
 from shardplan.errors import ShardplanError
 
@@ -100,11 +104,35 @@ def context_parallel(config: ContextConfig | None, mesh):
     use = Use()
     token = _ACTIVE.set((config, mesh, use))
     jax.nn.dot_product_attention = _routed
+    for name, transform in _TRANSFORMS.items():
+        setattr(jax, name, _differentiating(transform))
     try:
         yield use
     finally:
         jax.nn.dot_product_attention = _DOT_PRODUCT_ATTENTION
+        for name, transform in _TRANSFORMS.items():
+            setattr(jax, name, transform)
         _ACTIVE.reset(token)
+
+
+# The transforms whose function is searched for attention written out (einsum-softmax-einsum).
+_TRANSFORMS = {"grad": jax.grad, "value_and_grad": jax.value_and_grad, "vjp": jax.vjp}
+
+
+def _differentiating(transform):
+    """``transform`` (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``) applied to the function
+    with the attention it writes out replaced (:func:`shardplan.einsum_attention.rewritten`): by
+    :func:`attention` under a configuration, only recorded without one."""
+    @functools.wraps(transform)
+    def patched(fun, *args, **kwargs):
+        active = _ACTIVE.get()
+        if active is not None:
+            config, _, use = active
+            fun = functools.wraps(fun)(einsum_attention.rewritten(
+                fun, attention if config is not None else None,
+                record=lambda shapes, causal: use.sites.append((*shapes, bool(causal)))))
+        return transform(fun, *args, **kwargs)
+    return patched
 
 
 def _routed(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, query_seq_lengths=None,
@@ -238,6 +266,8 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
         raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
     if setting == "auto" and not use.sites:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            "context='auto': the step has no shardplan.attention call, so no sequence split could be chosen; "
+            "context='auto': the step has no attention the planner can split (a shardplan.attention or "
+            "jax.nn.dot_product_attention call, or einsum-softmax-einsum attention with a causal mask or none, "
+            "differentiated by jax.grad, jax.value_and_grad or jax.vjp), so no sequence split could be chosen; "
             "the step is planned as written",)), best[1])
     return best

@@ -128,7 +128,7 @@ def test_a_step_without_attention_calls_says_so():
         return w - 0.1 * jnp.mean(x @ w) * w, jnp.mean(x)
     f = shardplan.plan(step, jnp.ones((E, E)), jnp.ones((8, E)), mesh=make_jax_mesh(**MESH), hardware="h100-8",
                        context="auto")
-    assert f.context is None and any("no shardplan.attention call" in w for w in f.warnings)
+    assert f.context is None and any("no attention the planner can split" in w for w in f.warnings)
 
 
 @pytest.mark.parametrize("config", [
@@ -174,13 +174,47 @@ def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(co
     np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
 
 
-def test_a_step_written_with_jax_nn_dot_product_attention_gets_the_same_choice():
-    # The usual call, no shardplan import in the model: routed through shardplan.attention while
-    # the planner traces, and left alone after.
+@pytest.mark.parametrize("scan,config", [(True, c) for c in SPLITS] + [(False, SPLITS[2])],
+                         ids=lambda x: x.describe() if isinstance(x, ContextConfig) else f"scan={x}")
+def test_the_reference_llama_written_with_einsum_attention_is_split_as_asked(config, scan):
+    # The einsum model (jnp.repeat for its grouped heads, jnp.where with finfo.min, a softmax in
+    # f32): its written-out attention is recognised and runs split; 3 AdamW steps match jit's.
+    from shardplan.hlo import collectives
+    from shardplan.models.train import reference
+    plain = reference("llama-tiny-cp", scan=scan, attention="einsum")
+    state, batch = plain.init(jax.random.key(0)), plain.batch(4)
+    mesh = make_jax_mesh(**MESH)
+    f = shardplan.auto(plain.train_step, mesh=mesh, hardware="h100-8", context=config)
+    kinds = {c.kind for c in collectives(f.lower(state, batch).compile().as_text(), mesh)}
+    with shardplan.sequence.context_parallel(config, mesh) as use:
+        traced = str(jax.make_jaxpr(plain.train_step)(state, batch))
+    assert "shard_map" in traced and use.sites
+    got, want = state, state
+    for _ in range(3):
+        got, got_metrics = f(got, batch)
+        want, want_metrics = jax.jit(plain.train_step)(want, batch)
+    assert f.plan.context_config() == config
+    assert {"allgather": "all-gather", "ulysses": "all-to-all", "ring": "collective-permute"}[config.strategy.value] in kinds
+    np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
+
+
+def _dot_product_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _einsum_softmax_einsum(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("attend", [_dot_product_attention, _einsum_softmax_einsum], ids=lambda f: f.__name__)
+def test_a_step_written_without_shardplan_gets_the_same_choice(attend):
+    # No shardplan import in the model: jax.nn.dot_product_attention is routed through
+    # shardplan.attention while the planner traces, and attention written out is recognised.
     def loss(w, x):
         q, k, v = ((x @ w[n]).reshape(2, 2048, 8, E // 8) for n in "qkv")
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return jnp.mean((x + o.reshape(2, 2048, E) @ w["o"]) ** 2)
+        return jnp.mean((x + attend(q, k, v).reshape(2, 2048, E) @ w["o"]) ** 2)
 
     def step(w, x):
         value, grads = jax.value_and_grad(loss)(w, x)
@@ -189,7 +223,49 @@ def test_a_step_written_with_jax_nn_dot_product_attention_gets_the_same_choice()
     f = _run(step, _args(2, 2048), steps=1, context="auto", memory_budget="48MiB")
     written = _run(_step(2, 2048, 8), _args(2, 2048), steps=1, context="auto", memory_budget="48MiB")
     assert f.plan.context is not None and f.plan.context == written.plan.context
-    assert jax.nn.dot_product_attention is shardplan.sequence._DOT_PRODUCT_ATTENTION
+    assert jax.nn.dot_product_attention is shardplan.sequence._DOT_PRODUCT_ATTENTION       # left alone after
+    assert jax.value_and_grad is shardplan.sequence._TRANSFORMS["value_and_grad"]
+
+
+def test_an_nnx_multi_head_attention_step_is_split_as_asked():
+    # A stranger's NNX model: nnx.MultiHeadAttention with a causal mask (its own einsums),
+    # nnx.value_and_grad, AdamW; ring attention asked for, 3 steps against jax.jit.
+    import optax
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=64, decode=False, rngs=rngs)
+            self.out = nnx.Linear(64, 64, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+            return self.out(x + self.attn(x, mask=mask))
+
+    model = Block(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(1e-3)
+    state = {"params": params, "opt": tx.init(params)}
+    x = jax.random.normal(jax.random.key(1), (4, 64, 64))
+
+    def step(state, x):
+        def loss_fn(m):
+            return jnp.mean((m(x) - x) ** 2)
+        loss, grads = nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, state["params"]))
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    config = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag")
+    mesh = make_jax_mesh(**MESH)
+    f = shardplan.auto(step, mesh=mesh, hardware="h100-8", context=config)
+    with shardplan.sequence.context_parallel(config, mesh) as use:
+        assert "shard_map" in str(jax.make_jaxpr(step)(state, x))
+    assert use.sites == [((4, 64, 4, 16), (4, 64, 4, 16), True)]
+    got, want = state, state
+    for _ in range(3):
+        got, got_loss = f(got, x)
+        want, want_loss = jax.jit(step)(want, x)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
 needs_gpu = pytest.mark.skipif(not targets.available("gpu"), reason="the CUDA compiler is not installed "
