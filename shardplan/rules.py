@@ -186,6 +186,10 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         _scatter_add_rule(g, eqn, ins, out, edge)
         return
 
+    if prim == "scatter":
+        _scatter_rule(g, eqn, ins, out, edge)
+        return
+
     if prim == MANUAL_PRIMITIVE and _manual_rule(g, eqn, ins, outs, mult, edge):
         return
 
@@ -397,6 +401,38 @@ def _gather_rule(g, eqn, ins, out, edge):
         rewrite = vocab_parallel
     edge(operand, out, required=operand_required, passthrough=operand_passthrough, rewrite=rewrite)
     edge(indices, out, required=indices_required)
+
+
+def _scatter_rule(g, eqn, ins, out, edge):
+    """A scatter that overwrites (``x.at[i].set(u)``): each device writes its own shard of the
+    result, from the updates split as the result is on the window dims the scatter keeps whole
+    (and on the batching dims of a vmapped scatter, with the indices), whole on the others: a
+    write cannot be split into partial results to sum, as a scatter-add's can."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    g.union(operand, out)
+    up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, out), _rank(g, indices)
+    op_shape, up_shape = g.tensors[out].shape, g.tensors[updates].shape
+    window_up = list(dn.update_window_dims)
+    scatter_up = [d for d in range(up_rank) if d not in window_up]
+    op_batching = list(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
+    window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
+    up_of_op = {d: u for d, u in zip(window_op, window_up) if op_shape[d] == up_shape[u]}
+    up_of_idx = dict(zip(range(idx_rank - 1), scatter_up))
+    idx_of_op = dict(zip(op_batching, idx_batching))
+    for od, idd in idx_of_op.items():
+        up_of_op[od] = up_of_idx[idd]
+
+    def updates_spec(dst):
+        spec = [()] * up_rank
+        for d, u in up_of_op.items():
+            spec[u] = dst[d]
+        return tuple(spec)
+    edge(updates, out, required=updates_spec)
+    if indices is not None and idx_rank:
+        edge(indices, out, required=lambda dst: tuple(
+            next((dst[od] for od, idd in idx_of_op.items() if idd == d), ()) for d in range(idx_rank)))
 
 
 def _scatter_add_rule(g, eqn, ins, out, edge):

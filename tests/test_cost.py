@@ -326,3 +326,37 @@ def test_a_scatter_add_into_a_table_split_along_whole_rows_moves_the_updates():
     predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
         edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
     assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
+
+
+def test_a_scatter_that_overwrites_rows_of_a_table_split_along_them_moves_the_updates():
+    """``table.at[ids].set(rows)`` into a table split along its embedding dimension, from rows
+    split over the batch: each device writes its own columns from the rows moved to the same
+    split (an all-to-all), as XLA's operand-passthrough scatter does; the table is not gathered."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from shardplan.cost import from_partition_spec
+    from shardplan.hlo import collectives
+    from shardplan.mesh import make_jax_mesh
+    from shardplan.rules import apply_rule
+    from shardplan.strategies import Enumerator
+    from shardplan.walk import build_graph
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    vocab, dim = 512, 64
+
+    def write(table, ids, rows):
+        return table.at[ids].set(rows)
+    args = (jax.ShapeDtypeStruct((vocab, dim), jnp.float32), jax.ShapeDtypeStruct((8, 16), jnp.int32),
+            jax.ShapeDtypeStruct((8, 16, dim), jnp.float32))
+    src, dst = P(("data", "model")), P(None, ("data", "model"))
+    f = jax.jit(write, in_shardings=(NamedSharding(mesh, dst), NamedSharding(mesh, src), NamedSharding(mesh, src)),
+                out_shardings=NamedSharding(mesh, dst))
+    compiled = sorted((c.kind, c.axes, c.nbytes) for c in collectives(f.lower(*args).compile().as_text(), mesh)
+                      if c.nbytes > 8 * 16 * 4)       # the ids' all-gather is priced on their own edge
+    g = build_graph(jax.make_jaxpr(write)(*args), ["table", "ids", "rows"], apply_rule)
+    enum = Enumerator(g, M)
+    [edge] = [e for e in g.edges if e.primitive == "scatter" and g.tensors[e.src].shape == (8, 16, dim)]
+    predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
+        edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
+    assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
