@@ -108,12 +108,17 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     with Status() as line:       # ended whatever happens: an error never lands on it
         # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
         # Memory plays no part there, so far more options are dead ends than under a budget.
-        if _wide(enum):
-            problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted, beat)
-            choice = sol.choice
-        else:
-            problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
-                                                       unwanted)
+        try:
+            if _wide(enum):
+                problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted, beat)
+                choice = sol.choice
+            else:
+                problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
+                                                           unwanted)
+        except InfeasibleBudgetError as e:
+            least = "" if e.min_feasible_bytes is None else f": needs at least {e.min_feasible_bytes / 2**30:.2f} GiB a device"
+            line.done(f"no plan fits the budget of {e.budget_bytes / 2**30:.2f} GiB{least}")
+            raise
         stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
         plan = dataclasses.replace(made[tuple(choice)], solver=stats) if tuple(choice) in made else \
             _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)

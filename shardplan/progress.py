@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -64,16 +65,20 @@ class Status:
         self.enabled = wanted(self.stream) if enabled is None else enabled
         self.start = time.perf_counter()
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, *, whole: bool = False) -> None:
+        """Rewrite the line: cut to the terminal's width (a wrapped line cannot be rewritten in
+        place) unless ``whole``."""
         if self.enabled:
-            self.stream.write(f"\rshardplan {time.perf_counter() - self.start:6.1f}s {text}".ljust(100)[:160])
+            line = f"shardplan {time.perf_counter() - self.start:6.1f}s {text}"
+            width = max(80, shutil.get_terminal_size((160, 24)).columns - 1)
+            self.stream.write("\r" + (line if whole else line[:width]).ljust(100))
             self.stream.flush()
             self.pending = True
 
     def done(self, text: str) -> None:
-        """The last word of a stage: the line is kept and ended."""
+        """The last word of a stage: the line is kept, whole, and ended."""
         if self.enabled:
-            self.say(text)
+            self.say(text, whole=True)
             self.close()
 
     def close(self) -> None:

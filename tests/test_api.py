@@ -182,6 +182,27 @@ def test_a_python_scalar_step_counter_compiles_once(tmp_path):
     assert len(f._cache) == 1 and before >= 1 and len(compiles) == before
 
 
+def test_a_plan_that_does_not_fit_ends_its_progress_saying_so_and_kept_lines_are_whole(monkeypatch):
+    import io
+    from shardplan import progress
+    from shardplan.errors import InfeasibleBudgetError
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    err = Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(InfeasibleBudgetError):
+        shardplan.plan(_mixed_precision_step, _state(), _batch(), mesh=MESH, memory_budget="1KiB", time_limit=2,
+                       cache=False)
+    last = err.getvalue().rstrip("\n").rsplit("\r", 1)[-1]
+    assert "no plan fits the budget of 0.00 GiB: needs at least" in last, err.getvalue()
+    with progress.Status(enabled=True, stream=err) as line:
+        line.done("x" * 300)
+    assert "x" * 300 + "\n" in err.getvalue()
+
+
 def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path, monkeypatch):
     import io
     from shardplan import progress
