@@ -67,11 +67,13 @@ class Cell:
     execute: bool = False           # also run it on 8 fake CPU devices
     remat: str = "none"             # activation recomputation per layer (shardplan.models.layers.REMAT_POLICIES), all plans
     context: bool = False           # the planner chooses how attention splits over the sequence (context="auto")
+    attention: str | None = None    # the model's attention as written ("einsum": einsum-softmax-einsum), else its default
 
     @property
     def id(self) -> str:
         remat = "" if self.remat == "none" else f"/remat-{self.remat}"
-        return f"{self.model}/{self.preset}{tuple(n for _, n in self.axes)}/{self.budget}{remat}".replace(" ", "")
+        attention = "" if self.attention is None else f"/attention-{self.attention}"
+        return f"{self.model}/{self.preset}{tuple(n for _, n in self.axes)}/{self.budget}{remat}{attention}".replace(" ", "")
 
     @property
     def devices(self) -> int:
@@ -115,6 +117,10 @@ def _cells() -> list[Cell]:
     # Long context (issue 14): Llama-3-8B at 131072 tokens, one sequence per node of 8 (the point
     # of the cell: nothing without a sequence split fits), against MaxText's three strategies.
     out.append(Cell("llama3-8b-128k", 8, "h100-8x8", (("data", 8), ("seq", 8)), remat="full", context=True))
+    # The same with its attention written out (einsum-softmax-einsum, jnp.repeat for the grouped
+    # heads): the planner recognises it and the hand strategies are applied to it the same way.
+    out.append(Cell("llama3-8b-128k", 8, "h100-8x8", (("data", 8), ("seq", 8)), remat="full", context=True,
+                    attention="einsum"))
     return out
 
 
@@ -185,7 +191,7 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
     if cell.devices > len(jax.devices()):
         return [Row(cell.id, "all", f"n/a: needs {cell.devices} devices, jax.devices() has {len(jax.devices())}")]
     axes = dict(cell.axes)
-    ref = reference(cell.model, scan=True, remat=cell.remat)
+    ref = reference(cell.model, scan=True, remat=cell.remat, **({"attention": cell.attention} if cell.attention else {}))
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(cell.batch, abstract=True)
     mesh_spec = shardplan.load_mesh(cell.preset, axes=axes)
