@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -615,7 +616,8 @@ def _search(jaxpr, known: dict, record: Callable) -> int:
 def rewritten(fun: Callable, attention: Callable | None, record: Callable | None = None) -> Callable:
     """``fun`` with each attention it writes out computed by ``attention(q, k, v, causal=,
     scale=)`` (``[b, t, heads, d]`` operands); ``record(shapes, causal)`` is told of each. With
-    ``attention=None`` only recorded, and ``fun`` itself is what runs."""
+    ``attention=None`` only recorded, and ``fun`` itself is what runs. A function this cannot
+    search runs as written, with a warning that says why."""
     def run(*args, **kwargs):
         flat, tree = jax.tree.flatten((args, kwargs))
 
@@ -624,14 +626,21 @@ def rewritten(fun: Callable, attention: Callable | None, record: Callable | None
             return fun(*a, **kw)
         try:
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
-        except TypeError:          # results that are not arrays: nothing this can rewrite
+        except TypeError:          # arguments or results that are not arrays: nothing this can rewrite
             return fun(*args, **kwargs)
-        # the calls inlined first, so that a pattern across jax.numpy's jitted helpers is one jaxpr
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
                  for v in closed.jaxpr.invars]
-        inlined = jax.make_jaxpr(lambda *a: _Interpreter(None).eval(closed.jaxpr, closed.consts, a))(*avals)
-        if not _search(inlined.jaxpr, _values(inlined.jaxpr.constvars, inlined.consts), record if attention is None and record else lambda *_: None) \
-                or attention is None:
+        try:
+            # the calls inlined first, so that a pattern across jax.numpy's jitted helpers is one jaxpr
+            inlined = jax.make_jaxpr(lambda *a: _Interpreter(None).eval(closed.jaxpr, closed.consts, a))(*avals)
+            found = _search(inlined.jaxpr, _values(inlined.jaxpr.constvars, inlined.consts),
+                            record if attention is None and record is not None else lambda *_: None)
+        except Exception as e:     # noqa: BLE001 - an unforeseen jaxpr must not stop the plan
+            warnings.warn(f"shardplan: the attention {getattr(fun, '__name__', 'the function')} writes out could "
+                          f"not be searched ({type(e).__name__}: {e}); it is planned as written, without a "
+                          "sequence split", stacklevel=2)
+            return fun(*args, **kwargs)
+        if not found or attention is None:
             return fun(*args, **kwargs)            # as written: the same program, the same jaxpr
         outs = _Interpreter(attention).eval(inlined.jaxpr, inlined.consts, flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -162,3 +162,15 @@ def test_keys_and_values_repeated_for_grouped_heads_are_attended_unrepeated():
     for a, b in zip(got, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert calls[0][:2] == ((B, T, N, D), (B, T, 2, D))
+
+
+def test_a_function_that_cannot_be_searched_runs_as_written_and_says_why(monkeypatch):
+    def broken(*_):
+        raise NotImplementedError("a primitive this does not know")
+    monkeypatch.setattr(einsum_attention, "_search", broken)
+    q, k, v = _qkv()
+    calls = []
+    with pytest.warns(UserWarning, match="could not be searched .NotImplementedError: a primitive this does not know"):
+        got = einsum_attention.rewritten(einsum_where, _dpa(calls))(q, k, v)
+    np.testing.assert_array_equal(got, einsum_where(q, k, v))
+    assert calls == []
