@@ -488,10 +488,12 @@ def _causal(level: _Level, masks: list, x_labels: list) -> bool | None:
 # ---------------------------------------------------------------------------------------------
 # Evaluating a jaxpr with its attention replaced
 
-def _user_context(eqn):
+def _user_context(eqn, inherited):
+    """Binding ``eqn`` again under its own source (or ``inherited``, the enclosing call's, where
+    it has none, as the bodies of jax.numpy's jitted helpers): the planner's layer matching reads it."""
     try:
         from jax._src import source_info_util
-        return source_info_util.user_context(eqn.source_info.traceback,
+        return source_info_util.user_context(eqn.source_info.traceback or inherited,
                                              name_stack=source_info_util.current_name_stack()
                                              + eqn.source_info.name_stack)
     except Exception:   # the source lines are for the planner's layer matching; never fatal
@@ -509,7 +511,7 @@ class _Interpreter:
     def __init__(self, attention: Callable | None):
         self.attention = attention
 
-    def eval(self, jaxpr, consts, args, constants: dict | None = None) -> list:
+    def eval(self, jaxpr, consts, args, constants: dict | None = None, inherited=None) -> list:
         env = {}
 
         def read(v):
@@ -528,41 +530,42 @@ class _Interpreter:
                 continue
             if position in hits:
                 f = hits[position]
-                out = emit(f, read(f.q), read(f.k), read(f.v), self.attention)
+                with _user_context(eqn, inherited):       # the new ops are the user's attention's
+                    out = emit(f, read(f.q), read(f.k), read(f.v), self.attention)
                 env[eqn.outvars[0]] = out.astype(eqn.outvars[0].aval.dtype)
                 continue
             ins = [read(v) for v in eqn.invars]
             inner_known = [level.ref(v) for v in eqn.invars] if eqn.primitive.name in _NESTED else ()
-            with _user_context(eqn):
-                outs = self._bind(eqn, ins, inner_known)
+            with _user_context(eqn, inherited):
+                outs = self._bind(eqn, ins, inner_known, eqn.source_info.traceback or inherited)
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
-    def _bind(self, eqn, ins, inner_known) -> list:
+    def _bind(self, eqn, ins, inner_known, traceback) -> list:
         name, params = eqn.primitive.name, eqn.params
         if name in _INLINED:
             body = params["jaxpr"]
-            return self.eval(body.jaxpr, body.consts, ins)
+            return self.eval(body.jaxpr, body.consts, ins, inherited=traceback)
         if name == "scan":
-            return self._scan(params, ins, inner_known)
+            return self._scan(params, ins, inner_known, traceback)
         if name in _CHECKPOINTS:
             body = params["jaxpr"]
             known = {v: f for v, f in zip(body.invars, inner_known) if f is not None}
-            f = jax.checkpoint(lambda *a: self.eval(body, (), a, known), prevent_cse=params["prevent_cse"],
+            f = jax.checkpoint(lambda *a: self.eval(body, (), a, known, traceback), prevent_cse=params["prevent_cse"],
                                policy=params["policy"])
             return f(*ins)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
         return outs if eqn.primitive.multiple_results else [outs]
 
-    def _scan(self, params, ins, inner_known) -> list:
+    def _scan(self, params, ins, inner_known, traceback) -> list:
         body, nc, ncarry = params["jaxpr"], params["num_consts"], params["num_carry"]
         consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
         known = {v: f for v, f in zip(body.jaxpr.invars[:nc], inner_known[:nc]) if f is not None}
 
         def step(c, x):
-            outs = self.eval(body.jaxpr, body.consts, [*consts, *c, *x], known)
+            outs = self.eval(body.jaxpr, body.consts, [*consts, *c, *x], known, traceback)
             return outs[:ncarry], outs[ncarry:]
         carry, ys = lax.scan(step, list(carry), list(xs), length=params["length"], reverse=params["reverse"],
                              unroll=params["unroll"], _split_transpose=params.get("_split_transpose", False))

@@ -100,8 +100,16 @@ def context_parallel(config: ContextConfig | None, mesh):
     ``mesh`` (a ``Mesh`` or an ``AbstractMesh``); ``config=None`` records the calls only. So does
     a call of ``jax.nn.dot_product_attention`` (looked up when called, as ``jax.nn.`` code does)
     with no bias, mask, sequence lengths or window: the attribute is routed through
-    :func:`attention` for the duration. Yields a :class:`Use`."""
+    :func:`attention` for the duration, and so is attention written out in a function given to
+    ``jax.grad``, ``jax.value_and_grad`` or ``jax.vjp`` (:mod:`shardplan.einsum_attention`).
+    JAX's trace caches are cleared on entry, and on exit under a configuration, so that jitted
+    functions are traced here afresh and their traces here serve no call outside. Yields a
+    :class:`Use`."""
     use = Use()
+    # JAX reuses the trace of a jitted function (the user's jitted step, a jitted layer) made
+    # before with the same arguments: one made outside would hide the attention from the routing
+    # here, and one made here, with its sequence split, must not serve a call outside.
+    jax.clear_caches()
     token = _ACTIVE.set((config, mesh, use))
     jax.nn.dot_product_attention = _routed
     for name, transform in _TRANSFORMS.items():
@@ -113,6 +121,8 @@ def context_parallel(config: ContextConfig | None, mesh):
         for name, transform in _TRANSFORMS.items():
             setattr(jax, name, transform)
         _ACTIVE.reset(token)
+        if config is not None:
+            jax.clear_caches()
 
 
 # The transforms whose function is searched for attention written out (einsum-softmax-einsum).

@@ -187,7 +187,7 @@ def test_the_reference_llama_written_with_einsum_attention_is_split_as_asked(con
     f = shardplan.auto(plain.train_step, mesh=mesh, hardware="h100-8", context=config)
     kinds = {c.kind for c in collectives(f.lower(state, batch).compile().as_text(), mesh)}
     with shardplan.sequence.context_parallel(config, mesh) as use:
-        traced = str(jax.make_jaxpr(plain.train_step)(state, batch))
+        traced = str(jax.make_jaxpr(lambda s, b: plain.train_step(s, b))(state, batch))   # not jax's trace cache
     assert "shard_map" in traced and use.sites
     got, want = state, state
     for _ in range(3):
@@ -227,6 +227,18 @@ def test_a_step_written_without_shardplan_gets_the_same_choice(attend):
     assert jax.value_and_grad is shardplan.sequence._TRANSFORMS["value_and_grad"]
 
 
+def test_a_jitted_step_traced_before_is_split_and_runs_unsplit_after():
+    # jax.jit's trace cache: the trace the user's own call left must not hide the attention from
+    # the planner, and the planner's split trace must not serve the user's later calls.
+    step, (w, x) = jax.jit(_step(2, 256, 8)), _args(2, 256)
+    before = step(w, x)[1]
+    config = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",), load_balance="zigzag")
+    f = shardplan.auto(step, mesh=make_jax_mesh(**MESH), hardware="h100-8", context=config)
+    assert "collective-permute" in f.lower(w, x).compile().as_text()
+    assert "collective-permute" not in step.lower(w, x).compile().as_text()
+    np.testing.assert_array_equal(step(w, x)[1], before)
+
+
 def test_an_nnx_multi_head_attention_step_is_split_as_asked():
     # A stranger's NNX model: nnx.MultiHeadAttention with a causal mask (its own einsums),
     # nnx.value_and_grad, AdamW; ring attention asked for, 3 steps against jax.jit.
@@ -259,7 +271,7 @@ def test_an_nnx_multi_head_attention_step_is_split_as_asked():
     mesh = make_jax_mesh(**MESH)
     f = shardplan.auto(step, mesh=mesh, hardware="h100-8", context=config)
     with shardplan.sequence.context_parallel(config, mesh) as use:
-        assert "shard_map" in str(jax.make_jaxpr(step)(state, x))
+        assert "shard_map" in str(jax.make_jaxpr(lambda s, b: step(s, b))(state, x))
     assert use.sites == [((4, 64, 4, 16), (4, 64, 4, 16), True)]
     got, want = state, state
     for _ in range(3):
