@@ -211,3 +211,22 @@ def test_planned_moe_matches_the_plain_step(name, axes, scan, capfd):
 def test_bad_moe_configs_are_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(moe.CONFIGS["mixtral-tiny"], **bad)
+
+
+def test_experts_split_within_pipeline_stages_train_like_the_plain_step():
+    # Expert parallelism with pipeline, data and FSDP-style splits at once: the layers' stacked
+    # experts over `stage` and `expert` (and their embedding dimension over `data`), GPipe over 2
+    # stages x 4 microbatches; the balance loss rides in the pipeline's carry.
+    from shardplan.pipeline import PipelineConfig
+    ref = reference("mixtral-tiny", scan=True, n_layers=4)
+    state, batch = ref.init(jax.random.key(0)), ref.batch(16)
+    f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes={"stage": 2, "data": 2, "expert": 2}),
+                       time_limit=3, pipeline=PipelineConfig(2, 4))
+    got, want = state, state
+    for _ in range(3):
+        got, got_metrics = f(got, batch)
+        want, want_metrics = jax.jit(ref.train_step)(want, batch)
+        np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    experts = [r for r in f.plan.inputs if "['params']" in r.name and "['moe']['w" in r.name]
+    assert experts and all(r.spec[:2] == (("stage",), ("expert",)) for r in experts), [(r.name, r.spec) for r in experts]
+    assert not f.plan.warnings
