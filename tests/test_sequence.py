@@ -174,6 +174,22 @@ def test_the_reference_llama_with_split_attention_trains_like_its_einsum_twin(co
     np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
 
 
+@pytest.mark.parametrize("config", [ContextConfig("allgather", seq_axes=("seq",)),
+                                    ContextConfig("ring", seq_axes=("seq",), load_balance="zigzag")],
+                         ids=lambda c: c.describe())
+def test_the_sequence_split_alone_over_all_eight_devices_trains_like_jit(config):
+    from shardplan.models.train import reference
+    cp, plain = reference("llama-tiny-cp", scan=True), reference("llama-tiny-cp", scan=True, attention="einsum")
+    state, batch = cp.init(jax.random.key(0)), cp.batch(4)
+    f = shardplan.auto(cp.train_step, mesh=make_jax_mesh(axis_names=("seq",), axis_sizes=(8,)), hardware="h100-8",
+                       context=config)
+    got, want = state, state
+    for _ in range(3):
+        got, got_metrics = f(got, batch)
+        want, want_metrics = jax.jit(plain.train_step)(want, batch)
+    np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
+
+
 @pytest.mark.parametrize("scan,config", [(True, c) for c in SPLITS] + [(False, SPLITS[2])],
                          ids=lambda x: x.describe() if isinstance(x, ContextConfig) else f"scan={x}")
 def test_the_reference_llama_written_with_einsum_attention_is_split_as_asked(config, scan):
