@@ -263,21 +263,33 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
             with Status() as line:
                 line.done(f"context candidate {k + 1}/{len(configs)}: "
                           f"{'no sequence split' if config is None else config.describe()}")
+        met = Use()
         try:
-            p, rest = plan_one(traced_in(trace, config, names, sizes))
+            p, rest = plan_one(traced_in(trace, config, names, sizes, met))
         except (InfeasibleBudgetError, cp.ContextParallelError) as e:
             failures.append(e)
             continue
-        p = dataclasses.replace(p, context=None if config is None else config.to_json())
+        if config is not None and not met.sites:
+            # asked for by name, but nothing in the step is split: the plan is the step as written
+            p = dataclasses.replace(p, context=None, warnings=p.warnings + (
+                f"context={config.describe()!r}: {_NOTHING_TO_SPLIT}; the step is planned as written",))
+        else:
+            p = dataclasses.replace(p, context=None if config is None else config.to_json())
         if best is None or p.cost.step_s < best[0].cost.step_s:
             best = (p, rest)
     if best is None:
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
-        raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+        error = min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+        if setting == "auto" and not use.sites and error.args:
+            error.args = (f"{error.args[0]}\n(context='auto' could not help: {_NOTHING_TO_SPLIT})",) + error.args[1:]
+        raise error
     if setting == "auto" and not use.sites:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            "context='auto': the step has no attention the planner can split (a shardplan.attention or "
-            "jax.nn.dot_product_attention call, or einsum-softmax-einsum attention with a causal mask or none, "
-            "differentiated by jax.grad, jax.value_and_grad or jax.vjp), so no sequence split could be chosen; "
-            "the step is planned as written",)), best[1])
+            f"context='auto': {_NOTHING_TO_SPLIT}, so no sequence split could be chosen; the step is planned as "
+            "written",)), best[1])
     return best
+
+
+_NOTHING_TO_SPLIT = ("the step has no attention the planner can split (a shardplan.attention or "
+                     "jax.nn.dot_product_attention call, or einsum-softmax-einsum attention with a causal mask or "
+                     "none, differentiated by jax.grad, jax.value_and_grad or jax.vjp)")

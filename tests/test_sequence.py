@@ -126,9 +126,20 @@ def test_bad_context_settings_say_what_works():
 def test_a_step_without_attention_calls_says_so():
     def step(w, x):
         return w - 0.1 * jnp.mean(x @ w) * w, jnp.mean(x)
-    f = shardplan.plan(step, jnp.ones((E, E)), jnp.ones((8, E)), mesh=make_jax_mesh(**MESH), hardware="h100-8",
-                       context="auto")
+    args = jnp.ones((E, E)), jnp.ones((8, E))
+    f = shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", context="auto")
     assert f.context is None and any("no attention the planner can split" in w for w in f.warnings)
+    # asked for by name: the plan does not claim a split that is not there
+    ring = ContextConfig("ring", seq_axes=("seq",), batch_axes=("data",))
+    f = shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", context=ring)
+    assert f.context is None and "context parallelism: none" in f.explain()
+    assert any(w.startswith("context='ring attention") and "no attention the planner can split" in w
+               for w in f.warnings), f.warnings
+    # and when nothing fits, the error says that a sequence split could not help
+    from shardplan.errors import InfeasibleBudgetError
+    with pytest.raises(InfeasibleBudgetError, match="context='auto' could not help: the step has no attention"):
+        shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", context="auto",
+                       memory_budget="1KiB")
 
 
 @pytest.mark.parametrize("config", [
