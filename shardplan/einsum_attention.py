@@ -199,8 +199,10 @@ class _Level:
 
     @staticmethod
     def _eager(f):
+        """``f()`` computed now, op by op (each op's program cached by its shapes, so the masks of
+        many layers cost one compile), even while a step is being traced."""
         with jax.ensure_compile_time_eval():
-            return jax.jit(f)()
+            return f()
 
 
 def _scalar(level: _Level, v) -> float | None:
