@@ -152,6 +152,7 @@ class Graph:
         self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0
         self.warnings: list[str] = []
+        self.device = ""           # the mesh's device name (shardplan.walk.build_graph)
         self._groups = _UnionFind()
         self._dims = _UnionFind()
         self._dim_offset: list[int] = []

@@ -75,7 +75,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     on a mesh searched by axes, where a lower bound on every plan's step is no faster, an
     unsolved plan (status ``NOT_SOLVED``). Either way its step is at least ``beat``.
     """
-    graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs)
+    graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs,
+                        device=mesh.device.name)
     if cached is not None:
         if cached.fingerprint == graph_fingerprint(graph):
             with Status() as line:

@@ -10,6 +10,7 @@ the primitive and the source line.
 from __future__ import annotations
 
 from shardplan.graph import DotOp, Graph, ManualRegion, PairEdge
+from shardplan.layout import tiled
 from shardplan.manual import MANUAL_PRIMITIVE, body_peak, region_specs
 from shardplan.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
 from shardplan.walk import is_shift, source_of
@@ -95,9 +96,12 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         return
 
     if prim == "top_k":
-        last = _rank(g, ins[0]) - 1
+        # XLA's TPU compiler splits top_k along its other dims; the CPU and GPU compilers run it as
+        # a custom call on the whole operand, all-gathered first (checked on both, deviceless GPU).
+        rank = _rank(g, ins[0])
+        whole = set(range(rank)) if not tiled(g.device) else {rank - 1}
         for o in outs:
-            edge(ins[0], o, required=lambda s, last=last: _clear(s, {last}))
+            edge(ins[0], o, required=lambda s, whole=whole: _clear(s, whole))
         return
 
     if prim == "sharding_constraint":

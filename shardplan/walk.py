@@ -227,10 +227,13 @@ class _Walker:
 
 
 def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12,
-                ties: Sequence[tuple[int, int]] = ()) -> Graph:
+                ties: Sequence[tuple[int, int]] = (), device: str = "") -> Graph:
     """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths);
-    each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew)."""
+    each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew).
+    ``device``: the mesh's device name, for the rules where XLA partitions an op differently by
+    target (:mod:`shardplan.rules`)."""
     g = Graph()
+    g.device = device
     jaxpr = closed_jaxpr.jaxpr
     ins = [g.new_tensor(v.aval, name, "input", name, 1.0, f"in:{k}")
            for k, (v, name) in enumerate(zip(jaxpr.invars, input_names))]

@@ -360,3 +360,21 @@ def test_a_scatter_that_overwrites_rows_of_a_table_split_along_them_moves_the_up
     predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
         edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
     assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
+
+
+def test_top_k_reads_its_whole_operand_except_on_a_tpu():
+    """XLA's CPU and GPU compilers run top_k as a custom call on the whole operand (all-gathered
+    first, whatever the result's sharding: checked on both, the GPU deviceless); the TPU compiler
+    splits it along its other dimensions. A router's [tokens, experts] logits split over the
+    tokens: gathered on a GPU, not on a TPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.rules import apply_rule
+    from shardplan.walk import build_graph
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.top_k(x, 2))(jax.ShapeDtypeStruct((128, 8), jnp.float32))
+    split = (("data",), ())
+    for device, need in (("NVIDIA H100 80GB HBM3", ((), ())), ("cpu", ((), ())), ("TPU v5e", split)):
+        g = build_graph(jaxpr, ["x"], apply_rule, device=device)
+        edges = [e for e in g.edges if e.primitive == "top_k"]
+        assert len(edges) == 2 and all(e.required(split) == need for e in edges), device

@@ -228,7 +228,8 @@ def test_planned_sort_moe_matches_the_plain_step(mesh, write, groups, capfd):
 @pytest.mark.parametrize("mesh, write", [("data2-expert4", "set"), ("data2-expert4", "add"), ("data8", "set")])
 def test_compiled_collectives_are_the_predicted_ones(mesh, write):
     """The audit: the compiled program's collective bytes per kind are the predicted ones (within
-    the audit's 5%). The global sort needs every token on every device, so the tokens are
+    1%: the loss's mean adds a few bytes of all-reduce; the router's top_k gathers its whole
+    operand on the CPU and GPU compilers, as priced). The global sort needs every token on every device, so the tokens are
     all-gathered over the batch's axis and the expert outputs over the experts' axis: no
     all-to-all, predicted or compiled."""
     step, fresh_state, batch = _build(write)
@@ -237,9 +238,9 @@ def test_compiled_collectives_are_the_predicted_ones(mesh, write):
     compiled = f.lower(jax.eval_shape(fresh_state), batch).compile()
     a = f.plan.audit(compiled)
     predicted, got = a.comm_bytes
-    assert got > 0 and abs(a.comm_error()) <= 0.05, a.table()
+    assert got > 0 and abs(a.comm_error()) <= 0.01, a.table()
     for row in a.by_kind:
-        assert abs(row.bytes_error()) <= 0.05, a.table()
+        assert abs(row.bytes_error()) <= 0.01, a.table()
     assert not any(c.kind == "all-to-all" for c in a.collectives), a.table()
     assert f.plan.cost.comm_bytes_by_kind.get("all-to-all", 0) == 0
     if "expert" in MESHES[mesh]:
