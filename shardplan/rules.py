@@ -9,6 +9,8 @@ the primitive and the source line.
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardplan.graph import DotOp, Graph, ManualRegion, PairEdge
 from shardplan.layout import tiled
 from shardplan.manual import MANUAL_PRIMITIVE, body_peak, region_specs
@@ -407,63 +409,76 @@ def _gather_rule(g, eqn, ins, out, edge):
     edge(indices, out, required=indices_required)
 
 
+@dataclasses.dataclass
+class _ScatterDims:
+    """How a scatter's operand (and result), indices and updates dimensions correspond."""
+
+    op_shape: tuple
+    up_shape: tuple
+    idx_rank: int
+    scatter_up: list        # the updates' dims that index (one per index, not window dims)
+    window_op: list         # the operand's window dims (neither inserted nor batching)
+    op_batching: list
+    up_of_op: dict          # operand dim -> the updates' dim over it (window and batching dims)
+    up_of_idx: dict         # indices dim -> the updates' dim over it
+    idx_of_op: dict         # operand batching dim -> the indices' batching dim
+
+    @classmethod
+    def of(cls, g, eqn, operand, indices, updates) -> _ScatterDims:
+        dn = eqn.params["dimension_numbers"]
+        up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, operand), _rank(g, indices)
+        window_up = list(dn.update_window_dims)
+        scatter_up = [d for d in range(up_rank) if d not in window_up]
+        op_batching = list(getattr(dn, "operand_batching_dims", ()))
+        idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
+        window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
+        up_of_op = dict(zip(window_op, window_up))
+        up_of_idx = dict(zip(range(idx_rank - 1), scatter_up))
+        idx_of_op = dict(zip(op_batching, idx_batching))
+        for od, idd in idx_of_op.items():
+            up_of_op[od] = up_of_idx[idd]
+        return cls(g.tensors[operand].shape, g.tensors[updates].shape, idx_rank, scatter_up, window_op,
+                   op_batching, up_of_op, up_of_idx, idx_of_op)
+
+    def whole(self, d: int) -> bool:
+        """Whether the updates cover operand dim ``d`` whole (a dim each device can keep its shard of)."""
+        return d in self.up_of_op and self.op_shape[d] == self.up_shape[self.up_of_op[d]]
+
+
 def _scatter_rule(g, eqn, ins, out, edge):
     """A scatter that overwrites (``x.at[i].set(u)``): each device writes its own shard of the
     result, from the updates split as the result is on the window dims the scatter keeps whole
     (and on the batching dims of a vmapped scatter, with the indices), whole on the others: a
     write cannot be split into partial results to sum, as a scatter-add's can."""
-    dn = eqn.params["dimension_numbers"]
     operand, indices, updates = ins[0], ins[1], ins[2]
     g.union(operand, out)
-    up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, out), _rank(g, indices)
-    op_shape, up_shape = g.tensors[out].shape, g.tensors[updates].shape
-    window_up = list(dn.update_window_dims)
-    scatter_up = [d for d in range(up_rank) if d not in window_up]
-    op_batching = list(getattr(dn, "operand_batching_dims", ()))
-    idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
-    window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
-    up_of_op = {d: u for d, u in zip(window_op, window_up) if op_shape[d] == up_shape[u]}
-    up_of_idx = dict(zip(range(idx_rank - 1), scatter_up))
-    idx_of_op = dict(zip(op_batching, idx_batching))
-    for od, idd in idx_of_op.items():
-        up_of_op[od] = up_of_idx[idd]
+    m = _ScatterDims.of(g, eqn, operand, indices, updates)
 
     def updates_spec(dst):
-        spec = [()] * up_rank
-        for d, u in up_of_op.items():
-            spec[u] = dst[d]
+        spec = [()] * len(m.up_shape)
+        for d, u in m.up_of_op.items():
+            if m.whole(d):
+                spec[u] = dst[d]
         return tuple(spec)
     edge(updates, out, required=updates_spec)
-    if indices is not None and idx_rank:
+    if indices is not None and m.idx_rank:
         edge(indices, out, required=lambda dst: tuple(
-            next((dst[od] for od, idd in idx_of_op.items() if idd == d), ()) for d in range(idx_rank)))
+            next((dst[od] for od, idd in m.idx_of_op.items() if idd == d), ()) for d in range(m.idx_rank)))
 
 
 def _scatter_add_rule(g, eqn, ins, out, edge):
-    dn = eqn.params["dimension_numbers"]
     operand, indices, updates = ins[0], ins[1], ins[2]
     g.union(operand, out)
-    up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, out), _rank(g, indices)
-    window_up = list(dn.update_window_dims)
-    scatter_up = [d for d in range(up_rank) if d not in window_up]
-    op_batching = list(getattr(dn, "operand_batching_dims", ()))
-    idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
-    window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
-    up_of_op = dict(zip(window_op, window_up))
-    idx_batch = list(range(idx_rank - 1))
-    up_of_idx = dict(zip(idx_batch, scatter_up))
-    for od, idd in zip(op_batching, idx_batching):
-        up_of_op[od] = up_of_idx[idd]
-    op_shape, up_shape = g.tensors[out].shape, g.tensors[updates].shape
+    m = _ScatterDims.of(g, eqn, operand, indices, updates)
+    op_rank, idx_rank, up_of_op, window_op = len(m.op_shape), m.idx_rank, m.up_of_op, m.window_op
 
     def produced(s):
-        spec = tuple(s[up_of_op[d]] if d in up_of_op and op_shape[d] == up_shape[up_of_op[d]] else ()
-                     for d in range(op_rank))
+        spec = tuple(s[up_of_op[d]] if m.whole(d) else () for d in range(op_rank))
         used = {a for axes in spec for a in axes}
-        partial = tuple(a for d in scatter_up for a in s[d] if a not in used)
+        partial = tuple(a for d in m.scatter_up for a in s[d] if a not in used)
         return spec, partial
 
-    passthrough_dims = {d for d in window_op if d not in op_batching and op_shape[d] == up_shape[up_of_op[d]]}
+    passthrough_dims = {d for d in window_op if m.whole(d)}
 
     def operand_passthrough(s, dst):
         # XLA's "operand passthrough" scatter: where the result is split only along whole window
@@ -481,5 +496,5 @@ def _scatter_add_rule(g, eqn, ins, out, edge):
         return tuple(need)
     edge(updates, out, produced=produced, passthrough=operand_passthrough)
     if indices is not None and idx_rank:
-        edge(indices, updates, required=lambda s: tuple(s[up_of_idx[d]] if d in up_of_idx else ()
+        edge(indices, updates, required=lambda s: tuple(s[m.up_of_idx[d]] if d in m.up_of_idx else ()
                                                         for d in range(idx_rank)))
