@@ -82,10 +82,10 @@ class _Interpreter:
             env[v] = c
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
-        known = dict(constants or {})
-        known.update(_values(jaxpr.constvars, consts))
-        level = Dataflow(jaxpr, known)
-        hits = {f.position: f for f in find(level)} if self.attention is not None else {}
+        level, hits = None, {}
+        if self.attention is not None:           # else only inlining: nothing to find
+            level = Dataflow(jaxpr, {**(constants or {}), **_values(jaxpr.constvars, consts)})
+            hits = {f.position: f for f in find(level)}
         needed = _needed(jaxpr, hits)
         for position, eqn in enumerate(jaxpr.eqns):
             if not needed[position]:
@@ -97,7 +97,8 @@ class _Interpreter:
                 env[eqn.outvars[0]] = out.astype(eqn.outvars[0].aval.dtype)
                 continue
             ins = [read(v) for v in eqn.invars]
-            inner_known = [level.ref(v) for v in eqn.invars] if eqn.primitive.name in _NESTED else ()
+            inner_known = [level.ref(v) for v in eqn.invars] \
+                if level is not None and eqn.primitive.name in _NESTED else ()
             with _user_context(eqn, inherited):
                 outs = self._bind(eqn, ins, inner_known, eqn.source_info.traceback or inherited)
             for v, x in zip(eqn.outvars, outs):

@@ -265,7 +265,8 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
                           f"{'no sequence split' if config is None else config.describe()}")
         met = Use()
         try:
-            p, rest = plan_one(traced_in(trace, config, names, sizes, met))
+            # no split: the step as written, traced as the plan will be applied (no routing)
+            p, rest = plan_one(trace if config is None else traced_in(trace, config, names, sizes, met))
         except (InfeasibleBudgetError, cp.ContextParallelError) as e:
             failures.append(e)
             continue
