@@ -360,6 +360,14 @@ def test_a_scatter_that_overwrites_rows_of_a_table_split_along_them_moves_the_up
     predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
         edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
     assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
+    from shardplan import targets
+    if targets.available("gpu"):       # the GPU compiler, deviceless, partitions it the same way
+        import shardplan
+        gpu, _ = targets.target_mesh(shardplan.load_mesh("h100-8", axes={"data": 2, "model": 4}), "gpu")
+        f = jax.jit(write, in_shardings=(NamedSharding(gpu, dst), NamedSharding(gpu, src), NamedSharding(gpu, src)),
+                    out_shardings=NamedSharding(gpu, dst))
+        assert sorted((c.kind, c.axes, c.nbytes) for c in collectives(f.lower(*args).compile().as_text(), gpu)
+                      if c.nbytes > 8 * 16 * 4) == compiled
 
 
 def test_top_k_reads_its_whole_operand_except_on_a_tpu():
