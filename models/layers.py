@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardplan.pipeline import layer_scan
+from shardplan import recompute
 from shardplan.recompute import layer_remat
 
 # Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,
@@ -47,15 +48,16 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
 
 # Activation recomputation (rematerialisation) of each layer: what the forward pass keeps for the
 # backward pass. "none" keeps every residual; "dots" keeps the matmul results (MaxText's
-# "minimal"); "full" keeps only each layer's input and recomputes the rest in the backward pass.
-REMAT_POLICIES = {"none": None, "dots": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+# "minimal"); "offload" keeps them in the host's pinned memory (MaxText's "minimal_offloaded");
+# "full" keeps only each layer's input and recomputes the rest in the backward pass.
+REMAT_POLICIES = ("none", "dots", "offload", "full")
 
 
 def checkpoint_policy(policy: str):
     """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for "none" (no remat)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat={policy!r} is not a policy; choose one of {', '.join(REMAT_POLICIES)}")
-    return None if REMAT_POLICIES[policy] is None else getattr(jax.checkpoint_policies, REMAT_POLICIES[policy])
+    return recompute.checkpoint_policy(policy)
 
 
 def remat(fn, policy: str, *, in_scan: bool):

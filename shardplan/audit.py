@@ -54,6 +54,7 @@ class Audit:
     memory: AuditRow                 # bytes per device: predicted peak vs memory_analysis
     dot_flops: dict[str, float]      # per device per step, by HLO dtype
     notes: tuple[str, ...]
+    host: AuditRow | None = None     # bytes per device offloaded to host memory, where either side has any
 
     @property
     def comm_bytes(self) -> tuple[float, float]:
@@ -83,6 +84,10 @@ class Audit:
             out.append(f"memory per device: predicted {format_bytes(self.memory.predicted_bytes)}, compiled "
                        f"{format_bytes(self.memory.compiled_bytes)} ({self.memory_error():+.1%}, "
                        f"tolerance {memory_tolerance:.0%})")
+        if self.host is not None and abs(self.host.bytes_error()) > memory_tolerance:
+            out.append(f"host memory per device: predicted {format_bytes(self.host.predicted_bytes)}, compiled "
+                       f"{format_bytes(self.host.compiled_bytes)} ({self.host.bytes_error():+.1%}, "
+                       f"tolerance {memory_tolerance:.0%})")
         return out
 
     def table(self) -> str:
@@ -103,6 +108,8 @@ class Audit:
                                   sum(r.compiled_count for r in self.by_kind))))
         lines += [fmt(dataclasses.replace(r, name=f"axis {r.name}"), runs=False) for r in self.by_axis]
         lines.append(fmt(self.memory, runs=False))
+        if self.host is not None:
+            lines.append(fmt(self.host, runs=False))
         flops = ", ".join(f"{k} {v / 1e12:.3f} TFLOP" for k, v in self.dot_flops.items()) or "none"
         lines.append(f"dot FLOPs per device per step: {flops}")
         lines += [f"note: {n}" for n in self.notes]
@@ -118,6 +125,13 @@ def compiled_memory(compiled) -> float:
     m = compiled.memory_analysis()
     total = float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
     return max(total, float(getattr(m, "peak_memory_in_bytes", 0) or 0))
+
+
+def compiled_host_memory(compiled) -> float:
+    """Bytes per device a compiled program holds in host memory (offloaded residuals)."""
+    m = compiled.memory_analysis()
+    return float(sum(getattr(m, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp"))
+                 - (getattr(m, "host_alias_size_in_bytes", 0) or 0))
 
 
 def _heap_note(cost, compiled, heap_overhead: float) -> str:
@@ -169,6 +183,8 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
                     for a in mesh.axis_names)
     held = compiled if memory_compiled is None else memory_compiled
     memory = AuditRow("memory per device", cost.memory_bytes, compiled_memory(held), 0.0, 0.0)
+    host = AuditRow("host memory per device", cost.offload_bytes, compiled_host_memory(compiled), cost.offload_s,
+                    0.0)
     notes = ([f"compiled by {compiler}"] if compiler else []) + [_heap_note(cost, held, mesh.device.heap_overhead)]
     if platform == "cpu":
         read = [c for c in comms if c.emitted]
@@ -179,7 +195,8 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
         if any(r.dtype == "bfloat16" for r in plan.inputs):
             notes.append("CPU compile: bf16 is computed in f32, so the compiled collective bytes and temporaries of "
                          "bf16 tensors are doubled (memory and bytes are not comparable); audit fp32 models on CPU")
-    return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes))
+    return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes),
+                 host if host.predicted_bytes or host.compiled_bytes else None)
 
 
 def audit_step(plan, compiled, mesh: MeshSpec | None = None, jax_mesh: Any = None) -> Audit:

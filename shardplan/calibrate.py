@@ -4,6 +4,8 @@
 
 * matmuls per dtype at a few sizes: achieved FLOP/s (the best size) -> ``device.peak_flops``;
 * a large elementwise pass: bytes read and written per second -> ``device.hbm_bandwidth``;
+* a copy to the host's pinned memory and back, where the device has one: bytes per second each
+  way -> ``device.offload_bandwidth`` (the price of host offload);
 * an all-reduce per mesh axis at several buffer sizes, fitted by least squares to the ring
   formula ``t = 2(n-1) * latency + 2(n-1)/n * bytes / bandwidth`` -> that axis's measured
   ``bandwidth`` and ``latency``, which override the topology's link for that axis.
@@ -77,7 +79,7 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
         nodes = max(1, len(devices) // spec.devices_per_node)
         per_node = len(devices) // nodes
         spec = dataclasses.replace(spec, devices_per_node=per_node)
-    steps = len(dtypes) * len(matmul_sizes) + 1 + len(axes) * len(collective_bytes)
+    steps = len(dtypes) * len(matmul_sizes) + 2 + len(axes) * len(collective_bytes)
     bar = Progress(steps, "calibrate") if progress and jax.process_index() == 0 else None
     dev = jax.local_devices()[0]       # this process's own device (jax.devices()[0] is process 0's)
 
@@ -98,9 +100,18 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
     hbm_bandwidth = _agreed(2 * copy_bytes / _best_time(lambda: g(x), repeats), min)     # read + write
     if bar:
         bar.step(f"memory pass {copy_bytes >> 20} MiB")
+    offload_bandwidth, fits = spec.device.offload_bandwidth, {}
+    if "pinned_host" in {m.kind for m in dev.addressable_memories()}:
+        host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        on_host = jax.device_put(x, host)
+        there = _best_time(lambda: jax.device_put(x, host), repeats)
+        back = _best_time(lambda: jax.device_put(on_host, jax.sharding.SingleDeviceSharding(dev)), repeats)
+        offload_bandwidth = _agreed(2 * copy_bytes / (there + back), min)
+        fits["offload_seconds"] = f"to host {there:.3e}, back {back:.3e} for {copy_bytes}B"
+    if bar:
+        bar.step("copy to pinned host memory and back")
 
     measured: dict[str, Link] = {}
-    fits = {}
     if axes:
         mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
@@ -129,7 +140,8 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
     device = Device(name=str(getattr(dev, "device_kind", dev.platform)),
                     peak_flops={k: float(v) for k, v in peak.items()},
                     hbm_bytes=spec.device.hbm_bytes, hbm_bandwidth=float(hbm_bandwidth),
-                    heap_overhead=spec.device.heap_overhead, usable_bytes=spec.device.usable_bytes,
+                    heap_overhead=spec.device.heap_overhead, host_bandwidth=spec.device.host_bandwidth,
+                    offload_bandwidth=float(offload_bandwidth), usable_bytes=spec.device.usable_bytes,
                     allocator_fraction=spec.device.allocator_fraction)
     out = dataclasses.replace(spec, name=name or f"calibrated-{dev.platform}-{len(devices)}", device=device,
                               source=f"measured by shardplan mesh calibrate on {len(devices)} x {device.name}; "

@@ -15,7 +15,7 @@ import sys
 import threading
 
 # shardplan.models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
-REMAT_CHOICES = ("none", "dots", "full")
+REMAT_CHOICES = ("none", "dots", "offload", "full")
 
 
 def _parse_axes(text: str | None) -> dict[str, int] | None:

@@ -37,6 +37,7 @@ class Tensor:
     source: str         # "file:line (function)" of the op that made it, or the input path
     mult: float         # how many times it is produced per step (trip counts of enclosing scans)
     path: str = ""      # where it is in the step: see :func:`eqn_path`
+    host: bool = False  # held in the host's memory (a residual offloaded by a jax.checkpoint policy)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +149,8 @@ class Graph:
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
         self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
+        self.transfers: set[int] = set()    # results of a copy between device and host memory (host offload)
+        self.compiler = "cpu"      # the kind of XLA compiler the mesh's programs go through: cpu, gpu, tpu
         self.current_loop = 0
         self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0
@@ -168,7 +171,8 @@ class Graph:
         if path in self._paths:
             raise AssertionError(f"two tensors at path {path}")
         self._paths.add(path)
-        self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult, path))
+        host = str(getattr(aval, "memory_space", "")).endswith("Host")
+        self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult, path, host))
         self.loop_of.append(self.current_loop)
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
@@ -214,6 +218,12 @@ class Graph:
             self.warnings.append(message)
             if jax.process_index() == 0:       # under jax.distributed, said once, by process 0
                 warnings.warn(message, stacklevel=3)
+
+    @property
+    def host_apart(self) -> bool:
+        """Whether host memory is apart from the device's (GPU, TPU): host tensors then take no
+        device memory. XLA's CPU compiler keeps them with the rest."""
+        return self.compiler != "cpu"
 
     # -- queries -------------------------------------------------------------------------------
     def group_of(self, tid: int) -> int:

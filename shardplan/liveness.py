@@ -100,9 +100,11 @@ def peak(g, level: Level, exclude: set[int]) -> list[int]:
 
 
 def live_sets(g, level: Level):
+    """The tensors in device memory at each point of the level's schedule (host-offloaded ones
+    apart, where the target holds them apart: :attr:`~shardplan.graph.Graph.host_apart`)."""
     live: set[int] = set()
     for i, defined in enumerate(level.defined):
-        live.update(t for t in defined if t in level.last_use)
+        live.update(t for t in defined if t in level.last_use and not (g.host_apart and g.tensors[t].host))
         yield sorted(live) + level.inner_peak.get(i, [])
         live = {t for t in live if level.last_use.get(t, -1) > i}
 

@@ -37,6 +37,10 @@ DEFAULT_HEAP_OVERHEAD = 0.10
 # Bytes/s one host feeds its accelerators with each step's input (reading, decoding, copying
 # over PCIe): a conservative figure for a training host's input pipeline.
 DEFAULT_HOST_BANDWIDTH = 10e9
+# Bytes/s one device moves to or from its host's pinned memory (host offload of activations), per
+# direction, where a mesh file does not say: PCIe Gen4 x8's 16 GB/s, below what a GPU or TPU host
+# link gives, so that offload is not chosen on figures the hardware may not reach.
+DEFAULT_OFFLOAD_BANDWIDTH = 16e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,10 @@ class Device:
     its share of every step's input (the batch) at that rate (see
     :meth:`MeshSpec.node_shards`).
 
+    ``offload_bandwidth``: bytes/s one device moves to or from its host's pinned memory, per
+    direction (its PCIe link): the price of host offload (``remat="offload"``, a
+    ``jax.checkpoint`` policy that offloads to ``pinned_host``).
+
     ``usable_bytes``: the memory the runtime reports for the device (below ``hbm_bytes``: the
     driver keeps some; an H100 80GB reports 84,929,347,584 of 85,899,345,920 bytes);
     ``allocator_fraction``: the share of it the framework's allocator hands to programs (JAX on
@@ -68,6 +76,7 @@ class Device:
     hbm_bandwidth: float
     heap_overhead: float = DEFAULT_HEAP_OVERHEAD
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    offload_bandwidth: float = DEFAULT_OFFLOAD_BANDWIDTH
     usable_bytes: int | None = None
     allocator_fraction: float = 1.0
 
@@ -178,7 +187,7 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
 
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
 _DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead", "host_bandwidth",
-                "usable_bytes", "allocator_fraction"}
+                "offload_bandwidth", "usable_bytes", "allocator_fraction"}
 _REQUIRED_DEVICE_KEYS = ("name", "peak_flops", "hbm_bytes", "hbm_bandwidth")
 _LINK_KEYS = {"bandwidth", "latency"}
 _TOPOLOGY_KEYS = {"devices_per_node", "nodes", "intra_node_link", "inter_node_link"}
@@ -284,6 +293,8 @@ def _device(dev: Any, problems: _Problems) -> Device | None:
         if "hbm_bandwidth" in dev else None
     heap = _fraction(dev.get("heap_overhead", DEFAULT_HEAP_OVERHEAD), "device.heap_overhead", problems)
     host = _positive(dev.get("host_bandwidth", DEFAULT_HOST_BANDWIDTH), "device.host_bandwidth", problems)
+    offload = _positive(dev.get("offload_bandwidth", DEFAULT_OFFLOAD_BANDWIDTH), "device.offload_bandwidth",
+                        problems)
     usable = _positive(dev["usable_bytes"], "device.usable_bytes", problems, int) if "usable_bytes" in dev else 0
     if usable and hbm_bytes and usable > hbm_bytes:
         problems.add("device.usable_bytes", f"must be at most device.hbm_bytes ({hbm_bytes}), got {usable}")
@@ -293,10 +304,10 @@ def _device(dev: Any, problems: _Problems) -> Device | None:
         problems.add("device.allocator_fraction", "must be a fraction above 0 and at most 1 (JAX on GPUs: 0.75, "
                      f"its XLA_PYTHON_CLIENT_MEM_FRACTION default), got {fraction!r}")
         fraction = None
-    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap, host, usable, fraction):
+    if incomplete or None in (peak, hbm_bytes, hbm_bandwidth, heap, host, offload, usable, fraction):
         return None
     return Device(name=str(dev["name"]), peak_flops=peak, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bandwidth,
-                  heap_overhead=heap, host_bandwidth=host, usable_bytes=usable or None,
+                  heap_overhead=heap, host_bandwidth=host, offload_bandwidth=offload, usable_bytes=usable or None,
                   allocator_fraction=float(fraction))
 
 
@@ -496,6 +507,7 @@ def to_toml(spec: MeshSpec) -> str:
              f"hbm_bandwidth = {float(d.hbm_bandwidth)!r}  # bytes/s",
              f"heap_overhead = {float(d.heap_overhead)!r}  # fraction XLA's heap adds to live temporaries",
              f"host_bandwidth = {float(d.host_bandwidth)!r}  # bytes/s a host's input pipeline feeds its devices",
+             f"offload_bandwidth = {float(d.offload_bandwidth)!r}  # bytes/s a device moves to/from pinned host memory",
              *([f"usable_bytes = {int(d.usable_bytes)}  # bytes the runtime reports for one device"]
                if d.usable_bytes else []),
              f"allocator_fraction = {float(d.allocator_fraction)!r}  # share of them the allocator hands out",

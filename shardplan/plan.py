@@ -56,6 +56,11 @@ class PredictedCost:
     memory_bytes_by_role: dict[str, float]  # arguments only: "params", "opt_state", "batch", ...
     comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)  # split evenly over a collective's axes
     input_s: float = 0.0                  # the hosts loading the step's input, each its share
+    # Host offload: seconds of copies between device and pinned host memory (run by the DMA
+    # engines alongside the kernels: only what exceeds the compute shows in the step), and the
+    # bytes per device held in host memory.
+    offload_s: float = 0.0
+    offload_bytes: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -63,7 +68,12 @@ class PredictedCost:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.input_s
+        return self.compute_s + self.comm_s + self.input_s + self.offload_exposed_s
+
+    @property
+    def offload_exposed_s(self) -> float:
+        """The host copies' seconds not hidden behind the step's compute."""
+        return max(0.0, self.offload_s - self.compute_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +165,10 @@ class Plan:
                  f"predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
                  f"collectives {c.comm_s * 1e3:.3f} ms"
                  + (f" + input loading {c.input_s * 1e3:.3f} ms" if c.input_s else "")
-                 + f"; peak memory {format_bytes(c.memory_bytes)}/device",
+                 + (f" + host copies not hidden by compute {c.offload_exposed_s * 1e3:.3f} ms" if c.offload_s else "")
+                 + f"; peak memory {format_bytes(c.memory_bytes)}/device"
+                 + (f" (+ {format_bytes(c.offload_bytes)}/device offloaded to host memory, "
+                    f"{c.offload_s * 1e3:.3f} ms of copies)" if c.offload_s else ""),
                  "collectives: " + (", ".join(f"{k} {v * 1e3:.3f} ms ({format_bytes(c.comm_bytes_by_kind[k])})"
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)

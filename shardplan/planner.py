@@ -76,7 +76,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     unsolved plan (status ``NOT_SOLVED``). Either way its step is at least ``beat``.
     """
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs,
-                        device=mesh.device.name)
+                        device=mesh.device.name, compiler=compiler_kind(mesh))
     if cached is not None:
         if cached.fingerprint == graph_fingerprint(graph):
             with Status() as line:
@@ -470,6 +470,14 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
                           model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
 
+    offload_s = offload_bytes = 0.0
+    for t in graph.transfers:
+        s = enum.offload_seconds(t, spec_of[t])
+        offload_s += s
+        cost_of[t] += s
+    if graph.host_apart:        # the host's share: residuals offloaded, held from forward to backward
+        offload_bytes = sum(model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id])
+                            for t in graph.tensors if t.host and t.rank and not graph.loop_of[t.id])
     loading = 0.0
     for t in enum.fed:
         s = enum.input_seconds(t, spec_of[t])
@@ -488,7 +496,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                  for t in graph.tensors if t.rank and t.id not in seen)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
-                         memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading)
+                         memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
+                         offload_s=offload_s, offload_bytes=offload_bytes)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
                 result_pins=result_pins, rewrites=rewrites,

@@ -10,6 +10,10 @@ classes. Each class gets one of :data:`POLICIES`, the ``jax.checkpoint`` policie
 * ``"dots_all"``: the results of every matmul kept (``dots_saveable``), the rest recomputed;
 * ``"dots"``: the matmuls without batch dimensions kept, that is the weight projections
   (``dots_with_no_batch_dims_saveable``, MaxText's "minimal"); attention scores are recomputed;
+* ``"offload"``: what ``"dots"`` keeps, held in the host's pinned memory instead of the device's
+  (copied out in the forward pass, back for the backward; ``offload_dot_with_no_batch_dims``,
+  MaxText's "minimal_offloaded"). Offered where the target holds host memory apart (GPU, TPU; XLA's
+  CPU compiler drops the copies), priced at the device's ``offload_bandwidth``;
 * ``"full"``: only each layer's input kept, everything else recomputed (``nothing_saveable``).
 
 The step is traced once per assignment of policies (inside :func:`recomputing`); the traced
@@ -36,10 +40,15 @@ import jax
 
 from shardplan.errors import ShardplanError
 
-# Named policies -> jax.checkpoint_policies attribute; ordered from the least recomputation to the most.
+# Named policies -> jax.checkpoint_policies attribute; ordered from the least device memory saved to the most.
 POLICIES = {"none": None, "dots_all": "dots_saveable", "dots": "dots_with_no_batch_dims_saveable",
-            "full": "nothing_saveable"}
+            "offload": "offload_dot_with_no_batch_dims", "full": "nothing_saveable"}
 USER = "user"       # the class's own jax.checkpoint is kept
+OFFLOADING = frozenset({"offload"})       # policies that need host memory apart from the device's
+# policy -> the policies it is never faster than: it recomputes at least what each recomputes and
+# copies at least what each copies to the host.
+_NO_FASTER = {"none": {"none"}, "dots_all": {"none", "dots_all"}, "dots": {"none", "dots_all", "dots"},
+              "offload": {"none", "dots_all", "dots", "offload"}, "full": {"none", "dots_all", "dots", "full"}}
 
 
 class RecomputeError(ShardplanError, ValueError):
@@ -50,7 +59,14 @@ def checkpoint_policy(name: str):
     """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for ``"none"``."""
     if name not in POLICIES:
         raise RecomputeError(f"recomputation policy {name!r} is not one of {', '.join(POLICIES)}")
+    if name in OFFLOADING:
+        return getattr(jax.checkpoint_policies, POLICIES[name])("device", "pinned_host")
     return None if POLICIES[name] is None else getattr(jax.checkpoint_policies, POLICIES[name])
+
+
+def policies_for(host_apart: bool) -> tuple[str, ...]:
+    """The policies a target offers: host offload only where host memory is apart (GPU, TPU)."""
+    return tuple(p for p in POLICIES if host_apart or p not in OFFLOADING)
 
 
 @dataclasses.dataclass
@@ -184,7 +200,7 @@ def _fits_unbound(plan) -> bool:
 
 
 def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], *,
-           policies=tuple(POLICIES), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
+           policies=policies_for(False), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
            first=...):
     """The assignment of ``policies`` to the classes in ``sites`` whose plan ``evaluate`` predicts
     the fastest. ``evaluate(choices, beat)`` traces and plans the step under ``{key: policy}``;
@@ -228,13 +244,17 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         grid = [dict(zip(free, combo)) for combo in itertools.product(policies, repeat=len(free))]
     else:
         grid = [{k: p for k in free} for p in policies]
-    # Least recomputation first. POLICIES recompute ever more (each keeps a subset of what the one
-    # before keeps), so an assignment recomputing at least as much in every class as one whose
-    # plan fit unshaped by the budget cannot be faster: it is skipped.
+    # Least memory saved first. An assignment that, in every class, recomputes and copies to the
+    # host at least what one whose plan fit unshaped by the budget does (_NO_FASTER) cannot be
+    # faster: it is skipped.
     rank = {p: i for i, p in enumerate(POLICIES)}
     unbound: list[dict[str, str]] = []
+
+    def dominated(assign):
+        return any(all(u[k] in _NO_FASTER[assign[k]] for k in free) for u in unbound)
+
     for assign in sorted(grid, key=lambda a: sum(rank[p] for p in a.values())):
-        if any(all(rank[assign[k]] >= rank[u[k]] for k in free) for u in unbound):
+        if dominated(assign):
             continue
         plan = run(assign)
         if _fits_unbound(plan):
@@ -247,7 +267,7 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
             improved = False
             for k, p in itertools.product(free, policies):
                 assign = {**best_assign, k: p}
-                if best_assign[k] == p or any(all(rank[assign[j]] >= rank[u[j]] for j in free) for u in unbound):
+                if best_assign[k] == p or dominated(assign):
                     continue
                 plan = run(assign)
                 if _fits_unbound(plan):

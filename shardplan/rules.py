@@ -110,6 +110,10 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         _constraint_rule(g, eqn, ins[0], out, edge)
         return
 
+    if prim == "device_put":
+        _device_put_rule(g, eqn, ins, outs, edge)
+        return
+
     if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
         for t, o in zip(ins, outs):
             if t is not None and _rank(g, t):
@@ -266,6 +270,33 @@ def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
                                  ranked[0] if ranked else None, source, tuple(ins), tuple(outs),
                                  body_peak(eqn.params["jaxpr"])))
     return True
+
+
+def _device_put_rule(g: Graph, eqn, ins, outs, edge) -> None:
+    """``jax.device_put`` inside the step, one operand at a time. To a memory space (a
+    ``jax.checkpoint`` policy offloading a residual to the host and fetching it back) or nowhere
+    in particular: the result keeps the operand's sharding, and a move between device and host
+    memory is a transfer (:attr:`~shardplan.graph.Graph.transfers`). To a ``NamedSharding``: a
+    sharding constraint. To one device: gathered there (replicated)."""
+    for k, (t, o) in enumerate(zip(ins, outs)):
+        dst = eqn.params["devices"][k]
+        if t is None or o is None or not _rank(g, t):
+            continue
+        if dst is None or type(dst).__name__ == "MemorySpace":
+            g.union(t, o)
+            if g.tensors[t].host != g.tensors[o].host:
+                g.transfers.add(o)
+        elif getattr(dst, "spec", None) is not None:
+            edge(t, o, required=lambda s: s)
+            if g.tensors[t].host != g.tensors[o].host:
+                g.transfers.add(o)
+            spec = tuple(dst.spec)
+            for d in range(_rank(g, o)):
+                entry = spec[d] if d < len(spec) else None
+                g.require(o, d, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry),
+                          source_of(eqn, g.call_source))
+        else:
+            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
 
 
 def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:

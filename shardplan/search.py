@@ -21,6 +21,7 @@ from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status, silenced
 from shardplan.solver import StopToken, stoppable
+from shardplan.targets import compiler_kind
 from shardplan.sizes import parse_bytes
 from shardplan.trace import TracedStep
 
@@ -82,6 +83,20 @@ def _remat_record(sites: dict, choices) -> dict | None:
     return {"sites": [site.to_json(pick(k)) for k, site in sites.items()]}
 
 
+def host_apart(mesh_spec: MeshSpec) -> bool:
+    """Whether the mesh's compiler holds host-offloaded tensors apart from device memory."""
+    return compiler_kind(mesh_spec) != "cpu"
+
+
+def _check_offload(remat, mesh_spec: MeshSpec) -> None:
+    named = [remat] if isinstance(remat, str) else list(remat.values()) if isinstance(remat, dict) else []
+    if not host_apart(mesh_spec) and any(p in recompute.OFFLOADING for p in named):
+        raise recompute.RecomputeError(
+            f"remat='offload' holds residuals in host memory, but mesh {mesh_spec.name!r} runs through XLA's CPU "
+            "compiler, which keeps host and device memory as one: nothing would be saved. Plan on the GPU or TPU "
+            "mesh it will run on (mesh='h100-8', hardware=...), or choose another policy")
+
+
 def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
                  cache, setting, remat=None, context=None) -> tuple[Plan, tuple]:
     """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
@@ -89,6 +104,7 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
     policy}``: that one), and with ``context``, every way to run its attention
     (:func:`shardplan.sequence.search`); the lowest predicted step that fits the budget kept."""
+    _check_offload(remat, mesh_spec)
     if context is not None:
         return sequence.search(trace, lambda t: plan_search(t, mesh_spec, memory_budget, options, cache, setting,
                                                               remat), mesh_spec, context, setting)
@@ -200,7 +216,8 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
                     sites = dict(met)
                     no_layers = no_layers or not sites
                     if sites:
-                        _, first, _ = recompute.search(evaluate, sites, say=say, first=first)
+                        _, first, _ = recompute.search(evaluate, sites, say=say, first=first,
+                                                       policies=recompute.policies_for(host_apart(cand.mesh)))
                     found = [] if first is None else [made[id(first)]]
             except (PipelineError, InfeasibleBudgetError) as e:
                 failures.append(e)

@@ -344,6 +344,15 @@ class Enumerator:
         t = self.g.tensors[tid]
         return t.nbytes / mesh.node_shards([a for axes in spec for a in axes]) / mesh.device.host_bandwidth
 
+    def offload_seconds(self, tid: int, spec: Spec) -> float:
+        """Seconds per step a transfer's result (:attr:`~shardplan.graph.Graph.transfers`) of this
+        spec takes over the host link; nothing where the target keeps host tensors in device
+        memory (XLA's CPU compiler drops the copy)."""
+        if not self.g.host_apart:
+            return 0.0
+        t = self.g.tensors[tid]
+        return t.mult * self.m.memory_bytes(t.shape, t.dtype.itemsize, spec) / self.m.mesh.device.offload_bandwidth
+
     def hbm_seconds(self, tid: int, per_device_bytes):
         """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
         and writes, :func:`hbm_traffic`; nothing for one fused away)."""
@@ -483,7 +492,7 @@ class Enumerator:
                 cost += self.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += per_dev * heap
-                if t in always:
+                if t in always and not (g.host_apart and tt.host):
                     memory += per_dev[None, :]
             node_of_group[root] = len(nodes)
             label = g.tensors[ranked[0]].name

@@ -121,6 +121,12 @@ class _Walker:
                     f"{source_of(eqn, g.call_source)}, which JAX cannot run forward; a pipelined layer_scan's "
                     "stage shift is one (shardplan.pipeline.stage_shift): differentiate in reverse mode "
                     "(jax.grad, jax.vjp), or plan with pipeline=None")
+            if prim == "name":
+                # checkpoint_name tags a value for a policy: the same buffer, no op in the program.
+                for v, t in zip(eqn.outvars, ins):
+                    env[v] = t
+                level.defined.append([])
+                continue
             if prim in CALL_PRIMITIVES and not is_shift(eqn):
                 body, _ = sub_jaxpr(eqn)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
@@ -196,8 +202,14 @@ class _Walker:
                 g.loop_of[bt] = g.current_loop
             body_out = self._inner(body, body_in, mult * length, level, i)
             g.current_loop = outer
+            first: dict[int, int] = {}
             for k, (bt, t) in enumerate(zip(body_out, outs)):
                 if bt is None:
+                    continue
+                if k >= nk and g.compiler != "cpu" and first.setdefault(bt, k) != k:
+                    # One value stacked twice (a residual and its checkpoint_name tag): the GPU and
+                    # TPU compilers keep one buffer for both (XLA's CPU compiler, two).
+                    outs[k] = outs[first[bt]]
                     continue
                 if k < nk:
                     g.union(bt, body_in[nc + k])
@@ -227,13 +239,15 @@ class _Walker:
 
 
 def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12,
-                ties: Sequence[tuple[int, int]] = (), device: str = "") -> Graph:
+                ties: Sequence[tuple[int, int]] = (), device: str = "", compiler: str = "cpu") -> Graph:
     """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths);
     each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew).
     ``device``: the mesh's device name, for the rules where XLA partitions an op differently by
-    target (:mod:`shardplan.rules`)."""
+    target (:mod:`shardplan.rules`); ``compiler``: the kind of XLA compiler the mesh's programs go
+    through (``"cpu"``, ``"gpu"``, ``"tpu"``), where memory differs by compiler (host offload,
+    duplicate loop outputs)."""
     g = Graph()
-    g.device = device
+    g.device, g.compiler = device, compiler
     jaxpr = closed_jaxpr.jaxpr
     ins = [g.new_tensor(v.aval, name, "input", name, 1.0, f"in:{k}")
            for k, (v, name) in enumerate(zip(jaxpr.invars, input_names))]

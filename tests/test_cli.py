@@ -198,6 +198,9 @@ def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
     assert {a.link.name for a in m.axes} == {"measured-data", "measured-model"}
     assert all(a.link.bandwidth > 0 and a.link.latency >= 0 for a in m.axes)
     assert m.device.peak_flops["float32"] > 1e8 and m.device.hbm_bandwidth > 1e8
+    # The host link, measured by a copy to pinned host memory and back; the input figure kept.
+    assert m.device.offload_bandwidth > 1e8 and "offload_seconds" in m.calibration
+    assert m.device.host_bandwidth == load_mesh("cpu-8").device.host_bandwidth
     # The measured links price the collectives.
     from shardplan.cost import ALL_REDUCE, Comm, CostModel
     t = CostModel(m).collective_time(Comm(ALL_REDUCE, ("model",), 2**20))

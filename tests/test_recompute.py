@@ -95,7 +95,7 @@ def test_search_of_many_classes_descends_one_class_at_a_time():
 
 
 def test_bad_policy_names_are_refused_with_the_choices():
-    with pytest.raises(shardplan.RecomputeError, match="'some' is not one of none, dots_all, dots, full"):
+    with pytest.raises(shardplan.RecomputeError, match="'some' is not one of none, dots_all, dots, offload, full"):
         shardplan.plan(lambda s, b: (s, 0.0), {}, {}, mesh="cpu-8", remat="some")
 
 
@@ -154,7 +154,7 @@ def test_two_layer_classes_get_different_policies(planned):
     assert auto.cost.memory_bytes <= shardplan.parse_bytes(BUDGET)
     # No slower than any one policy for every class, and faster than no recomputation (which fits
     # only on a slower sharding, if at all).
-    for policy in recompute.POLICIES:
+    for policy in recompute.policies_for(False):         # a CPU mesh: no host offload
         try:
             uniform = shardplan.plan(step, abstract, batch, remat=policy, memory_budget=BUDGET, **KW)
         except shardplan.InfeasibleBudgetError:
