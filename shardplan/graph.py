@@ -142,6 +142,7 @@ class Graph:
         self.inputs: list[int] = []
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []
+        self.host_points: list[list[int]] = []    # the fullest live sets of host memory (host offload)
         self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
         self._paths: set[str] = set()                       # every tensor's path, each once
         self.prefix = ""           # the path of the jaxpr being walked (see eqn_path)
@@ -151,6 +152,7 @@ class Graph:
         self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
         self.transfers: set[int] = set()    # results of a copy between device and host memory (host offload)
         self.compiler = "cpu"      # the kind of XLA compiler the mesh's programs go through: cpu, gpu, tpu
+        self.donated_outputs: frozenset[int] = frozenset()   # outputs written into donated input buffers
         self.current_loop = 0
         self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0

@@ -18,6 +18,7 @@ class Level:
     defined: list[list[int]] = dataclasses.field(default_factory=list)   # per eqn, tensors it defines
     last_use: dict[int, int] = dataclasses.field(default_factory=dict)   # tensor -> last eqn index using it
     inner_peak: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # eqn index -> body's peak set
+    inner_host: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # the same in host memory
     made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
 
 
@@ -88,10 +89,11 @@ def fuse(g, level: Level, kept: set) -> None:
                     break
 
 
-def peak(g, level: Level, exclude: set[int]) -> list[int]:
-    """The live set of the level's fullest point, counted with every tensor replicated."""
+def peak(g, level: Level, exclude: set[int], *, host: bool = False) -> list[int]:
+    """The live set of the level's fullest point, counted with every tensor replicated (``host``:
+    of host memory)."""
     best, best_bytes = [], -1
-    for live in live_sets(g, level):
+    for live in live_sets(g, level, host=host):
         live = [t for t in live if t not in exclude]
         n = sum(g.tensors[t].nbytes for t in live)
         if n > best_bytes:
@@ -99,21 +101,26 @@ def peak(g, level: Level, exclude: set[int]) -> list[int]:
     return best
 
 
-def live_sets(g, level: Level):
+def live_sets(g, level: Level, *, host: bool = False):
     """The tensors in device memory at each point of the level's schedule (host-offloaded ones
-    apart, where the target holds them apart: :attr:`~shardplan.graph.Graph.host_apart`)."""
+    apart, where the target holds them apart: :attr:`~shardplan.graph.Graph.host_apart`); with
+    ``host``, those in host memory instead."""
     live: set[int] = set()
+    inner = level.inner_host if host else level.inner_peak
     for i, defined in enumerate(level.defined):
-        live.update(t for t in defined if t in level.last_use and not (g.host_apart and g.tensors[t].host))
-        yield sorted(live) + level.inner_peak.get(i, [])
+        if host:
+            live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
+        else:
+            live.update(t for t in defined if t in level.last_use and not (g.host_apart and g.tensors[t].host))
+        yield sorted(live) + inner.get(i, [])
         live = {t for t in live if level.last_use.get(t, -1) > i}
 
 
-def checkpoints(g, level: Level, always: set[int], num_points: int) -> list[list[int]]:
+def checkpoints(g, level: Level, always: set[int], num_points: int, *, host: bool = False) -> list[list[int]]:
     """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
-    and constants, counted apart), fullest first."""
+    and constants, counted apart), fullest first (``host``: of host memory)."""
     scored = []
-    for live in live_sets(g, level):
+    for live in live_sets(g, level, host=host):
         live = [t for t in live if t not in always]
         scored.append((sum(g.tensors[t].nbytes for t in live), live))
     scored.sort(key=lambda x: -x[0])

@@ -76,7 +76,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     unsolved plan (status ``NOT_SOLVED``). Either way its step is at least ``beat``.
     """
     graph = build_graph(closed_jaxpr, input_names, apply_rule, num_points=options.num_points, ties=state_pairs,
-                        device=mesh.device.name, compiler=compiler_kind(mesh))
+                        device=mesh.device.name, compiler=compiler_kind(mesh), donated=donated)
     if cached is not None:
         if cached.fingerprint == graph_fingerprint(graph):
             with Status() as line:
@@ -85,7 +85,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         warnings.warn("shardplan: a cached plan does not match the traced step's tensors; planning again",
                       stacklevel=3)
     _check_manual_meshes(graph, mesh)
-    donated_outputs = _donated_outputs(graph, donated)
+    donated_outputs = graph.donated_outputs
     model = shared_model(mesh)
     fixed = {t: s for t, s in zip(graph.inputs, fixed_inputs or []) if s is not None}
     # Inputs the hosts load every step: beyond the first argument (the state), neither returned
@@ -234,24 +234,6 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum, unwanted=lam
             sol = _from_leanest(bounded, lean, budget_bytes, options)
         choice = full_choice(sol, keep)
     return problem, sol, choice, bound
-
-
-def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
-    """Outputs that XLA can write into a donated input buffer of the same shape and dtype."""
-    free: dict[tuple, int] = {}
-    for t, d in zip(graph.inputs, donated):
-        if d:
-            key = (graph.tensors[t].shape, graph.tensors[t].dtype)
-            free[key] = free.get(key, 0) + 1
-    out = set()
-    for t in graph.outputs:
-        if t is None:
-            continue
-        key = (graph.tensors[t].shape, graph.tensors[t].dtype)
-        if free.get(key):
-            free[key] -= 1
-            out.add(t)
-    return frozenset(out)
 
 
 # Edge-table cells past which CP-SAT's polish costs more than it gives: building its model (one
@@ -475,9 +457,12 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         s = enum.offload_seconds(t, spec_of[t])
         offload_s += s
         cost_of[t] += s
-    if graph.host_apart:        # the host's share: residuals offloaded, held from forward to backward
-        offload_bytes = sum(model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id])
-                            for t in graph.tensors if t.host and t.rank and not graph.loop_of[t.id])
+    if graph.host_apart:        # the host's share: offloaded residuals at their fullest, and host arguments
+        def host_bytes(tids):
+            return sum(model.memory_bytes(graph.tensors[t].shape, graph.tensors[t].dtype.itemsize, spec_of[t])
+                       for t in tids if graph.tensors[t].rank)
+        offload_bytes = max((host_bytes(p) for p in graph.host_points), default=0.0) + \
+            host_bytes(t for t in graph.inputs if graph.tensors[t].host)
     loading = 0.0
     for t in enum.fed:
         s = enum.input_seconds(t, spec_of[t])

@@ -236,10 +236,11 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
     if untried:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (untried,)), best[1])
-    if no_layers and not (best[0].remat or {}).get("sites"):
+    if (no_layers or remat not in (None, "auto")) and not (best[0].remat or {}).get("sites"):
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            "remat='auto': the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
-            "recomputation could be chosen; the step is planned as written",)), best[1])
+            f"remat={remat!r}: the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
+            "recomputation could be " + ("chosen" if remat == "auto" else "set") + "; the step is planned as "
+            "written",)), best[1])
     return best
 
 

@@ -175,7 +175,11 @@ class _Walker:
         outs = self.walk(body, body_in, mult, inner)
         # Body inputs and outputs are the eqn's operands and results, counted at this level (XLA
         # writes a scan's per-trip outputs into the stacked result in place).
-        level.inner_peak[i] = peak(self.g, inner, set(body_in) | set(outs))
+        # A cond's branches run one at a time: the fuller one counts.
+        for kept, host in ((level.inner_peak, False), (level.inner_host, True)):
+            here = peak(self.g, inner, set(body_in) | set(outs), host=host)
+            if sum(self.g.tensors[t].nbytes for t in here) >= sum(self.g.tensors[t].nbytes for t in kept.get(i, [])):
+                kept[i] = here
         return outs
 
     def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
@@ -239,13 +243,16 @@ class _Walker:
 
 
 def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, num_points: int = 12,
-                ties: Sequence[tuple[int, int]] = (), device: str = "", compiler: str = "cpu") -> Graph:
+                ties: Sequence[tuple[int, int]] = (), device: str = "", compiler: str = "cpu",
+                donated: Sequence[bool] = ()) -> Graph:
     """Walk a whole-step ``ClosedJaxpr``. ``input_names`` name its flat inputs (pytree paths);
     each (flat input, flat output) pair in ``ties`` shares one sharding (a state leaf returned anew).
     ``device``: the mesh's device name, for the rules where XLA partitions an op differently by
     target (:mod:`shardplan.rules`); ``compiler``: the kind of XLA compiler the mesh's programs go
     through (``"cpu"``, ``"gpu"``, ``"tpu"``), where memory differs by compiler (host offload,
-    duplicate loop outputs)."""
+    duplicate loop outputs); ``donated``: per flat input, whether its buffer is donated (the
+    outputs XLA writes into them, :attr:`~shardplan.graph.Graph.donated_outputs`, take no memory
+    of their own, so the fullest points of the schedule are found without them)."""
     g = Graph()
     g.device, g.compiler = device, compiler
     jaxpr = closed_jaxpr.jaxpr
@@ -265,5 +272,26 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
         a, b = ins[i], outs[j]
         if b is not None and g.tensors[a].shape == g.tensors[b].shape:
             g.union(a, b)
-    g.points = checkpoints(g, level, set(consts + ins), num_points)
+    g.donated_outputs = _donated_outputs(g, donated)
+    g.points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
+    if g.host_apart:
+        g.host_points = [p for p in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
     return g
+
+
+def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
+    """Outputs that XLA can write into a donated input buffer of the same shape and dtype."""
+    free: dict[tuple, int] = {}
+    for t, d in zip(graph.inputs, donated):
+        if d:
+            key = (graph.tensors[t].shape, graph.tensors[t].dtype)
+            free[key] = free.get(key, 0) + 1
+    out = set()
+    for t in graph.outputs:
+        if t is None:
+            continue
+        key = (graph.tensors[t].shape, graph.tensors[t].dtype)
+        if free.get(key):
+            free[key] -= 1
+            out.add(t)
+    return frozenset(out)

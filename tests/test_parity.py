@@ -82,6 +82,6 @@ def test_rematerialised_step_matches_the_plain_unsharded_step(model, scan, remat
 
 @pytest.mark.parametrize("model", MODELS + ["resnet-tiny", "vit-tiny"])
 def test_unknown_remat_policy_names_the_policies(model):
-    with pytest.raises(ValueError, match=r"remat='some' is not a policy; choose one of none, dots, full"):
+    with pytest.raises(ValueError, match=r"remat='some' is not a policy; choose one of none, dots, offload, full"):
         ref = reference(model, scan=True, remat="some")
         jax.eval_shape(ref.init, jax.random.key(0))
