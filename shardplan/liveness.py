@@ -19,6 +19,9 @@ class Level:
     last_use: dict[int, int] = dataclasses.field(default_factory=dict)   # tensor -> last eqn index using it
     inner_peak: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # eqn index -> body's peak set
     inner_host: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # the same in host memory
+    # eqn index -> the results of the ops running at the body's peak (a dot's split-K partial sums
+    # live while it runs)
+    inner_running: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
 
 
@@ -89,22 +92,23 @@ def fuse(g, level: Level, kept: set) -> None:
                     break
 
 
-def peak(g, level: Level, exclude: set[int], *, host: bool = False) -> list[int]:
+def peak(g, level: Level, exclude: set[int], *, host: bool = False) -> tuple[list[int], list[int]]:
     """The live set of the level's fullest point, counted with every tensor replicated (``host``:
-    of host memory)."""
-    best, best_bytes = [], -1
-    for live in live_sets(g, level, host=host):
+    of host memory), and the results of the ops running there."""
+    best, best_running, best_bytes = [], [], -1
+    for live, running in live_sets(g, level, host=host):
         live = [t for t in live if t not in exclude]
         n = sum(g.tensors[t].nbytes for t in live)
         if n > best_bytes:
-            best, best_bytes = live, n
-    return best
+            best, best_running, best_bytes = live, running, n
+    return best, best_running
 
 
 def live_sets(g, level: Level, *, host: bool = False):
-    """The tensors in device memory at each point of the level's schedule (host-offloaded ones
-    apart, where the target holds them apart: :attr:`~shardplan.graph.Graph.host_apart`); with
-    ``host``, those in host memory instead."""
+    """``(live, running)`` at each point of the level's schedule: the tensors in device memory
+    (host-offloaded ones apart, where the target holds them apart:
+    :attr:`~shardplan.graph.Graph.host_apart`; with ``host``, those in host memory instead), and
+    the results of the ops running there (the point's own, and a loop body's at its peak)."""
     live: set[int] = set()
     inner = level.inner_host if host else level.inner_peak
     for i, defined in enumerate(level.defined):
@@ -112,24 +116,26 @@ def live_sets(g, level: Level, *, host: bool = False):
             live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
         else:
             live.update(t for t in defined if t in level.last_use and not (g.host_apart and g.tensors[t].host))
-        yield sorted(live) + inner.get(i, [])
+        yield sorted(live) + inner.get(i, []), list(defined) + level.inner_running.get(i, [])
         live = {t for t in live if level.last_use.get(t, -1) > i}
 
 
-def checkpoints(g, level: Level, always: set[int], num_points: int, *, host: bool = False) -> list[list[int]]:
+def checkpoints(g, level: Level, always: set[int], num_points: int, *,
+                host: bool = False) -> list[tuple[list[int], list[int]]]:
     """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
-    and constants, counted apart), fullest first (``host``: of host memory)."""
+    and constants, counted apart), fullest first (``host``: of host memory), each with the results
+    of the ops running there."""
     scored = []
-    for live in live_sets(g, level, host=host):
+    for live, running in live_sets(g, level, host=host):
         live = [t for t in live if t not in always]
-        scored.append((sum(g.tensors[t].nbytes for t in live), live))
+        scored.append((sum(g.tensors[t].nbytes for t in live), live, running))
     scored.sort(key=lambda x: -x[0])
     seen, points = set(), []
-    for _, live in scored:
+    for _, live, running in scored:
         key = tuple(live)
         if key not in seen:
             seen.add(key)
-            points.append(live)
+            points.append((live, running))
         if len(points) >= num_points:
             break
-    return points or [[]]
+    return points or [([], [])]

@@ -513,7 +513,13 @@ class Enumerator:
             node_of_dot[k] = len(nodes)
             shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
             signature = hash((dot.dims, shapes, dot.source, tuple(options)))
-            nodes.append(Node("dot", k, options, cost, np.zeros((len(points), len(options))), dot.source, signature))
+            memory = np.zeros((len(points), len(options)))
+            running = [p for p, ops in enumerate(g.running) if dot.out in ops]
+            if running and self.m.gpu is not None:
+                # While a GPU matmul split K ways runs, its float32 partial sums are live too.
+                partials = np.array([self._split_k_partials(dot, o) for o in options]) * heap
+                memory[running] = partials[None, :]
+            nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
         return self._full
 

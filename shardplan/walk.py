@@ -177,9 +177,11 @@ class _Walker:
         # writes a scan's per-trip outputs into the stacked result in place).
         # A cond's branches run one at a time: the fuller one counts.
         for kept, host in ((level.inner_peak, False), (level.inner_host, True)):
-            here = peak(self.g, inner, set(body_in) | set(outs), host=host)
+            here, running = peak(self.g, inner, set(body_in) | set(outs), host=host)
             if sum(self.g.tensors[t].nbytes for t in here) >= sum(self.g.tensors[t].nbytes for t in kept.get(i, [])):
                 kept[i] = here
+                if not host:
+                    level.inner_running[i] = running
         return outs
 
     def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
@@ -273,9 +275,10 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
         if b is not None and g.tensors[a].shape == g.tensors[b].shape:
             g.union(a, b)
     g.donated_outputs = _donated_outputs(g, donated)
-    g.points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
+    points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
+    g.points, g.running = [live for live, _ in points], [set(running) for _, running in points]
     if g.host_apart:
-        g.host_points = [p for p in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
+        g.host_points = [p for p, _ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
     return g
 
 

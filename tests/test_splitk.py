@@ -51,3 +51,33 @@ def test_bf16_and_f32_matmuls_alike_pay_their_partial_sums():
         assert splitk.partials(gpu, 1, 128, 512, 2048, dtype, dtype, dtype) > 0
     assert splitk.partials(gpu, 1, 128, 512, 2048, jnp.int8, jnp.int8, jnp.int32) == 0
     assert splitk.partials(None, 1, 128, 512, 2048, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16) == 0
+
+
+
+def test_partial_sums_count_in_memory_while_their_matmul_runs():
+    """The weight gradient of a 768 x 768 layer over 32768 tokens is split 4 ways on an H100
+    unsharded: its float32 partial sums (4 x 768 x 768 floats, with the heap's allowance) are
+    live at the points of the schedule where it runs, and nowhere else; on a CPU mesh, none."""
+    from shardplan.cost import shared_model
+    from shardplan.rules import apply_rule
+    from shardplan.strategies import Enumerator
+    from shardplan.walk import build_graph
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return w - 0.1 * g, loss
+    closed = jax.make_jaxpr(step)(jax.ShapeDtypeStruct((768, 768), jnp.float32),
+                                  jax.ShapeDtypeStruct((32768, 768), jnp.float32))
+    for preset, split in (("h100-8", 4), ("cpu-8", 1)):
+        mesh = shardplan.load_mesh(preset)
+        g = build_graph(closed, ["w", "x"], apply_rule, device=mesh.device.name, num_points=64)
+        problem, _ = Enumerator(g, shared_model(mesh))._full_nodes()
+        (k,) = [k for k, d in enumerate(g.dots) if g.tensors[d.out].shape == (768, 768)]     # x^T @ dy
+        node = problem.nodes[problem.node_of_dot[k]]
+        unsharded = node.options.index(((),) * len(node.options[0]))
+        running = [p for p, ops in enumerate(g.running) if g.dots[k].out in ops]
+        assert running and len(running) < len(g.points)
+        assert splitk.split_k(1, 768, 768, 32768, splitk.gpu_of(mesh.device.name)) == split
+        want = 4 * split * 768 * 768 * (1 + mesh.device.heap_overhead) if split > 1 else 0.0
+        assert node.memory[running, unsharded] == pytest.approx([want] * len(running))
+        assert not node.memory[[p for p in range(len(g.points)) if p not in running]].any()
