@@ -152,6 +152,9 @@ class Graph:
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
         self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
         self.transfers: set[int] = set()    # results of a copy between device and host memory (host offload)
+        # Copies to host memory outside any loop: the GPU and TPU compilers fetch them back early,
+        # so they stay in device memory too.
+        self.fetched_early: set[int] = set()
         self.compiler = "cpu"      # the kind of XLA compiler the mesh's programs go through: cpu, gpu, tpu
         self.donated_outputs: frozenset[int] = frozenset()   # outputs written into donated input buffers
         self.current_loop = 0

@@ -115,7 +115,8 @@ def live_sets(g, level: Level, *, host: bool = False):
         if host:
             live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
         else:
-            live.update(t for t in defined if t in level.last_use and not (g.host_apart and g.tensors[t].host))
+            live.update(t for t in defined if t in level.last_use
+                        and not (g.host_apart and g.tensors[t].host and t not in g.fetched_early))
         yield sorted(live) + inner.get(i, []), list(defined) + level.inner_running.get(i, [])
         live = {t for t in live if level.last_use.get(t, -1) > i}
 

@@ -12,8 +12,10 @@ classes. Each class gets one of :data:`POLICIES`, the ``jax.checkpoint`` policie
   (``dots_with_no_batch_dims_saveable``, MaxText's "minimal"); attention scores are recomputed;
 * ``"offload"``: what ``"dots"`` keeps, held in the host's pinned memory instead of the device's
   (copied out in the forward pass, back for the backward; ``offload_dot_with_no_batch_dims``,
-  MaxText's "minimal_offloaded"). Offered where the target holds host memory apart (GPU, TPU; XLA's
-  CPU compiler drops the copies), priced at the device's ``offload_bandwidth``;
+  MaxText's "minimal_offloaded"). Offered for scanned classes where the target holds host memory
+  apart (GPU, TPU; XLA's CPU compiler drops the copies), priced at the device's
+  ``offload_bandwidth``; unrolled layers gain nothing by it (the compilers fetch the residuals
+  back early), and it is refused there;
 * ``"full"``: only each layer's input kept, everything else recomputed (``nothing_saveable``).
 
 The step is traced once per assignment of policies (inside :func:`recomputing`); the traced
@@ -77,6 +79,7 @@ class Site:
     where: str          # "models.layers:160 (LayerStack.__call__)"
     layers: int         # layers of this class in the step (a scan's length, or one per call)
     checkpointed: bool  # the code already recomputes (its own jax.checkpoint)
+    scanned: bool = True  # a layer_scan (else unrolled layers: layer_remat)
 
     def to_json(self, policy: str) -> dict:
         return {"key": self.key, "where": self.where, "layers": self.layers, "policy": policy}
@@ -139,7 +142,7 @@ def _already_checkpointed(f, args) -> bool:
         return False
 
 
-def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int) -> str | None:
+def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int, *, scanned: bool) -> str | None:
     """The policy the active context gives this class (``None``: leave ``f`` as it is)."""
     active = _ACTIVE.get()
     if active is None:
@@ -147,12 +150,20 @@ def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int) -> str |
     key = f"{where}#{hashlib.sha256(shape_sig.encode()).hexdigest()[:8]}"
     site = active.sites.get(key)
     if site is None:
-        site = active.sites[key] = Site(key, where, 0, _already_checkpointed(f, probe_args))
+        site = active.sites[key] = Site(key, where, 0, _already_checkpointed(f, probe_args), scanned)
     site.layers += layers
     if isinstance(active.choices, str):
-        return active.choices
-    # A class the choices do not name keeps what its code does: its own checkpoint, or none.
-    return active.choices.get(key, USER if site.checkpointed else "none")
+        policy = active.choices
+    else:
+        # A class the choices do not name keeps what its code does: its own checkpoint, or none.
+        policy = active.choices.get(key, USER if site.checkpointed else "none")
+    if policy in OFFLOADING and not scanned:
+        raise RecomputeError(
+            f"remat={policy!r} for the unrolled layers at {where}: XLA's GPU and TPU compilers start each "
+            "offloaded residual's copy back to the device as early as they can, so unrolled layers save no "
+            "device memory by it (compiled: more than with 'dots'). Offload pays in a scanned stack: call "
+            f"shardplan.layer_scan there, or give this class another policy (remat={{{key!r}: 'full'}})")
+    return policy
 
 
 def _wrap(f, policy: str | None, *, in_scan: bool):
@@ -169,7 +180,7 @@ def scan_body(f, init, xs, where: str):
     leaves = jax.tree.leaves(xs)
     layers = int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
-    policy = _policy_for(where, _shapes((init, xs)), f, (init, one), layers)
+    policy = _policy_for(where, _shapes((init, xs)), f, (init, one), layers, scanned=True)
     return _wrap(f, policy, in_scan=True)
 
 
@@ -187,7 +198,7 @@ def layer_remat(f: Callable) -> Callable:
     def call(*args):
         if _ACTIVE.get() is None:
             return f(*args)
-        policy = _policy_for(where, _shapes(args), f, args, 1)
+        policy = _policy_for(where, _shapes(args), f, args, 1, scanned=False)
         return _wrap(f, policy, in_scan=False)(*args)
 
     return call
@@ -240,10 +251,12 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
     best_assign, best = base, run(base)
     if not free or _fits_unbound(best):
         return {**fixed, **best_assign}, best, tried
+    # Host offload only for scanned classes (see _policy_for).
+    offered = {k: [p for p in policies if sites[k].scanned or p not in OFFLOADING] for k in free}
     if len(free) <= max_exhaustive:
-        grid = [dict(zip(free, combo)) for combo in itertools.product(policies, repeat=len(free))]
+        grid = [dict(zip(free, combo)) for combo in itertools.product(*(offered[k] for k in free))]
     else:
-        grid = [{k: p for k in free} for p in policies]
+        grid = [{k: p if p in offered[k] else "full" for k in free} for p in policies]
     # Least memory saved first. An assignment that, in every class, recomputes and copies to the
     # host at least what one whose plan fit unshaped by the budget does (_NO_FASTER) cannot be
     # faster: it is skipped.
@@ -267,7 +280,7 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
             improved = False
             for k, p in itertools.product(free, policies):
                 assign = {**best_assign, k: p}
-                if best_assign[k] == p or dominated(assign):
+                if best_assign[k] == p or p not in offered[k] or dominated(assign):
                     continue
                 plan = run(assign)
                 if _fits_unbound(plan):

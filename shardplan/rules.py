@@ -286,6 +286,15 @@ def _device_put_rule(g: Graph, eqn, ins, outs, edge) -> None:
             g.union(t, o)
             if g.tensors[t].host != g.tensors[o].host:
                 g.transfers.add(o)
+                if g.tensors[o].host and not any(part.endswith((".scan", ".while")) for part in g.prefix.split("/")):
+                    g.fetched_early.add(o)
+                    if g.host_apart:
+                        where = source_of(eqn, g.call_source)
+                        g.warn_once("offload outside a loop", f"shardplan: a value offloaded to host memory outside "
+                                    f"any loop (at {where}): XLA's GPU and TPU compilers start its copy back to the "
+                                    "device as early as they can, so it saves no device memory; it is counted "
+                                    "there. Offload pays inside a scanned layer stack (jax.lax.scan, "
+                                    "shardplan.layer_scan)")
         elif getattr(dst, "spec", None) is not None:
             edge(t, o, required=lambda s: s)
             if g.tensors[t].host != g.tensors[o].host:
