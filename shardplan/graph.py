@@ -91,6 +91,9 @@ class DotOp:
     source: str
     fixed: frozenset[int] = frozenset()
     sizes: tuple[int, ...] | None = None
+    # float32 operands at DEFAULT precision: a TPU multiplies them in one bfloat16 pass and
+    # libtpu rounds them to bfloat16 before it moves them (shardplan.strategies.moved_itemsize).
+    bf16_pass: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,9 @@ class Graph:
         self.stacked: dict[int, int] = {}   # body tensors a scan stacks into an output -> its length
         self.loop_of: list[int] = []     # tensor -> the scan body (walk) it lives in; 0 at top level
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
+        self.level_outputs: set[int] = set()   # results of a jaxpr (the step's, a loop body's, a branch's)
+        self.stacked_into: dict[int, int] = {}          # a stacked body tensor -> the scan's result
+        self.scanned_into: dict[int, list[int | None]] = {}   # a scan's operand -> body inputs (None: const, carry)
         self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
         self.transfers: set[int] = set()    # results of a copy between device and host memory (host offload)
         # Copies to host memory outside any loop: the GPU and TPU compilers fetch them back early,

@@ -215,9 +215,11 @@ def layer_scan(f, init, xs, length: int | None = None):
     ...     return h + jnp.tanh(h @ layer["w"]), None
     >>> h, _ = layer_scan(body, h, {"w": stacked})   # was: jax.lax.scan(body, h, {"w": stacked})
     """
-    # Recomputed as the planner chose for this stack's layer class (shardplan.recompute), if it chose.
-    f = recompute.scan_body(f, init, xs, recompute.caller(1))
+    # Recomputed as the planner chose for this stack's layer class (shardplan.recompute), if it
+    # chose; in a pipeline the layers run under a vmap over the stages (and one over row groups).
     active = _ACTIVE.get()
+    vmapped = 0 if active is None else 1 + (active[0].replicas > 1)
+    f = recompute.scan_body(f, init, xs, recompute.caller(1), vmapped)
     if active is None:
         seen = _SEEN.get()
         leaves = jax.tree.leaves(xs)

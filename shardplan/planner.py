@@ -376,14 +376,16 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     # each reader's reshard), so that the plan's step time is still the objective it minimised.
     resharded: set = set()
 
-    def repeats(tid, need, loop):
-        """The collectives of resharding ``tid`` to ``need`` where an op before did the same."""
-        key = (tid, need, loop)
+    def repeats(tid, need, loop, itemsize=None):
+        """The collectives of resharding ``tid`` to ``need`` where an op before did the same
+        (``itemsize``: the bytes an element moves as, where not its own: a dot's bfloat16 pass)."""
+        t = graph.tensors[tid]
+        itemsize = itemsize or t.dtype.itemsize
+        key = (tid, need, loop, itemsize)
         if need is None or key not in resharded:
             resharded.add(key)
             return []
-        t = graph.tensors[tid]
-        return model.reshard_items(t.shape, t.dtype.itemsize, spec_of[tid], need)
+        return model.reshard_items(t.shape, itemsize, spec_of[tid], need)
 
     # Where the pricing reshards an operand before its op, or makes a result in place and
     # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
@@ -420,7 +422,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         option = node.options[choice[problem.node_of_dot[k]]]
         req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
         repeated = [c for tid, need in ((dot.lhs, req_l), (dot.rhs, req_r))
-                    for c in repeats(tid, need if need != spec_of[tid] else None, graph.loop_of[dot.out])]
+                    for c in repeats(tid, need if need != spec_of[tid] else None, graph.loop_of[dot.out],
+                                     enum.moved_itemsize(dot, graph.tensors[tid]))]
         account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out,
                 repeated)
         t = enum.dot_compute(dot, option) * dot.mult

@@ -57,13 +57,36 @@ class RecomputeError(ShardplanError, ValueError):
     """A recomputation setting that cannot apply: the message names it and what works."""
 
 
-def checkpoint_policy(name: str):
-    """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for ``"none"``."""
+# Policies that keep (or offload) the matmuls without batch dimensions: a layer's projections.
+_UNBATCHED = frozenset({"dots", "offload"})
+
+
+def checkpoint_policy(name: str, vmapped: int = 0):
+    """The ``jax.checkpoint_policies`` function of a named policy; ``None`` for ``"none"``.
+
+    ``vmapped``: how many ``vmap`` levels the layer runs under (a pipeline runs its stages under
+    one, two with row groups). ``vmap`` gives every matmul in the layer that many batch
+    dimensions, so ``"dots"`` and ``"offload"`` (matmuls without batch dimensions) would keep
+    nothing and recompute like ``"full"``; under ``vmapped`` levels they keep the matmuls with at
+    most that many batch dimensions, which the projections are and attention's (batch and heads,
+    plus the levels) are not."""
     if name not in POLICIES:
         raise RecomputeError(f"recomputation policy {name!r} is not one of {', '.join(POLICIES)}")
     if name in OFFLOADING:
-        return getattr(jax.checkpoint_policies, POLICIES[name])("device", "pinned_host")
-    return None if POLICIES[name] is None else getattr(jax.checkpoint_policies, POLICIES[name])
+        policy = getattr(jax.checkpoint_policies, POLICIES[name])("device", "pinned_host")
+    else:
+        policy = None if POLICIES[name] is None else getattr(jax.checkpoint_policies, POLICIES[name])
+    if not vmapped or name not in _UNBATCHED:
+        return policy
+
+    def unbatched(prim, *avals, **params):
+        if prim.name == "dot_general":
+            (contracting, (lhs_batch, rhs_batch)) = params["dimension_numbers"]
+            if len(lhs_batch) <= vmapped and len(rhs_batch) <= vmapped:
+                # What the policy does with such a matmul where it has no batch dimensions.
+                params = dict(params, dimension_numbers=(contracting, ((), ())))
+        return policy(prim, *avals, **params)
+    return unbatched
 
 
 def policies_for(host_apart: bool) -> tuple[str, ...]:
@@ -166,22 +189,23 @@ def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int, *, scann
     return policy
 
 
-def _wrap(f, policy: str | None, *, in_scan: bool):
+def _wrap(f, policy: str | None, *, in_scan: bool, vmapped: int = 0):
     if policy in (None, USER, "none"):
         return f
     # In a scan body, CSE across trips cannot undo the recomputation: prevent_cse is not needed.
-    return jax.checkpoint(f, policy=checkpoint_policy(policy), prevent_cse=not in_scan)
+    return jax.checkpoint(f, policy=checkpoint_policy(policy, vmapped), prevent_cse=not in_scan)
 
 
-def scan_body(f, init, xs, where: str):
-    """``f`` (a :func:`~shardplan.pipeline.layer_scan` body) under its class's policy."""
+def scan_body(f, init, xs, where: str, vmapped: int = 0):
+    """``f`` (a :func:`~shardplan.pipeline.layer_scan` body) under its class's policy;
+    ``vmapped``: the ``vmap`` levels it will run under (:func:`checkpoint_policy`)."""
     if _ACTIVE.get() is None:
         return f
     leaves = jax.tree.leaves(xs)
     layers = int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
     policy = _policy_for(where, _shapes((init, xs)), f, (init, one), layers, scanned=True)
-    return _wrap(f, policy, in_scan=True)
+    return _wrap(f, policy, in_scan=True, vmapped=vmapped)
 
 
 def layer_remat(f: Callable) -> Callable:

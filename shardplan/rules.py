@@ -40,6 +40,18 @@ def _rank(g: Graph, t) -> int:
     return g.tensors[t].rank if t is not None else 0
 
 
+def _bf16_pass(g: Graph, eqn, lhs, rhs) -> bool:
+    """Whether a dot or convolution multiplies float32 operands at DEFAULT precision (on a TPU,
+    one bfloat16 pass: its operands move as bfloat16)."""
+    if lhs is None or rhs is None or any(g.tensors[t].dtype.name != "float32" for t in (lhs, rhs)):
+        return False
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return True
+    precision = precision if isinstance(precision, tuple) else (precision, precision)
+    return all(p is None or getattr(p, "name", str(p)) == "DEFAULT" for p in precision)
+
+
 def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
     prim = eqn.primitive.name
     p = eqn.params
@@ -63,7 +75,8 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         dims += [(d, None, k + i) for i, d in enumerate(lfree)]
         dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
         dims += [(l, r, None) for l, r in zip(lc, rc)]
-        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source)))
+        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source),
+                            bf16_pass=_bf16_pass(g, eqn, lhs, rhs)))
         return
 
     if prim in _RANDOM:
@@ -349,7 +362,8 @@ def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
         fixed.add(len(dims))
         dims.append((None, rhs_spec[2 + i], None))
         sizes.append(rshape[rhs_spec[2 + i]])
-    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source), frozenset(fixed), tuple(sizes)))
+    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source), frozenset(fixed), tuple(sizes),
+                        bf16_pass=_bf16_pass(g, eqn, lhs, rhs)))
 
 
 def _reshape_rule(shape_in, shape_out):

@@ -18,7 +18,7 @@ import numpy as np
 
 from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
-from shardplan.graph import Graph
+from shardplan.graph import DotOp, Graph
 from shardplan.problem import EdgeTables, Node, Problem
 from shardplan.splitk import partials
 from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
@@ -61,6 +61,48 @@ def _assignments(choices_per_axis: list[list[int]]):
     return itertools.product(*[[-1] + c for c in choices_per_axis])
 
 
+# Ops that only relabel or reorder elements: a bfloat16 rounding after them can move before them.
+LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p", "name"})
+_DOTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def read_as_bf16(g: Graph) -> frozenset[int]:
+    """The float32 tensors that every reader multiplies in one bfloat16 pass (a dot at DEFAULT
+    precision, :attr:`DotOp.bf16_pass`), directly or through :data:`LAYOUT` ops, a layer scan's
+    stacking included (a residual whose backward readers are such dots): on a TPU, libtpu rounds
+    such a tensor to bfloat16 before it moves or stacks it (the convert goes ahead of the
+    collective), so a reshard of it moves 2 bytes an element. A tensor the step returns, or a
+    loop carries, is not one."""
+    dots: dict[int, list[DotOp]] = {}
+    for d in g.dots:
+        for t in (d.lhs, d.rhs):
+            dots.setdefault(t, []).append(d)
+    returned = {t for t in g.outputs if t is not None}
+    memo: dict[int, bool] = {}
+
+    def narrow(t: int) -> bool:
+        if t in memo:
+            return memo[t]
+        memo[t] = False
+        readers = g.readers.get(t, [])
+        stacked = g.stacked_into.get(t)
+        if g.tensors[t].dtype.name != "float32" or t in returned or (t in g.level_outputs and stacked is None) \
+                or not (readers or stacked is not None) or not all(d.bf16_pass for d in dots.get(t, ())):
+            return False
+        for prim, outs in readers:
+            if prim in _DOTS:
+                continue
+            if prim in LAYOUT and outs and all(narrow(o) for o in outs):
+                continue
+            if prim == "scan" and all(b is not None and narrow(b) for b in g.scanned_into.get(t, [None])):
+                continue
+            return False
+        memo[t] = stacked is None or narrow(stacked)
+        return memo[t]
+
+    return frozenset(t for t in range(len(g.tensors)) if narrow(t))
+
+
 class Enumerator:
     """Turns a :class:`Graph` and a :class:`CostModel` into a :class:`Problem`."""
 
@@ -78,6 +120,7 @@ class Enumerator:
         self.traffic = hbm_traffic(graph)
         self._bytes_memo: dict[tuple, float] = {}
         self.combined = combined_reductions(graph)
+        self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
@@ -211,20 +254,20 @@ class Enumerator:
         reduced) and that is cheaper; the table takes the cheapest the same way."""
         t = self.g.tensors[edge.src]
         need = edge.required(dst_spec)
-        comms = self.scaled(self.m.reshard_items(t.shape, t.dtype.itemsize, src_spec, need), edge.mult)
+        comms = self.scaled(self.m.reshard_items(t.shape, self.src_itemsize(edge), src_spec, need), edge.mult)
         best = (comms, (need if comms else None), None, None)
         if not comms:
             return best
         out = self.g.tensors[edge.dst]
         made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
         if made is not None:
-            other = self.scaled(self.m.reshard_items(out.shape, out.dtype.itemsize, made, dst_spec), edge.mult)
+            other = self.scaled(self.m.reshard_items(out.shape, self.dst_itemsize(edge), made, dst_spec), edge.mult)
             if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
                 best = (other, None, made, None)
         rewrite = edge.rewrite(src_spec, dst_spec) if edge.rewrite is not None else None
         if rewrite is not None:
             _, made, partial = rewrite
-            other = self.scaled(self.m.reduce_items(out.shape, out.dtype.itemsize, made, partial, dst_spec),
+            other = self.scaled(self.m.reduce_items(out.shape, self.dst_itemsize(edge), made, partial, dst_spec),
                                 edge.mult)
             if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
                 best = (other, None, None, rewrite)
@@ -279,12 +322,30 @@ class Enumerator:
             items = m.reduce_items(t.shape, t.dtype.itemsize, sliced, partial, sliced, share=share) + \
                 m.reshard_items(t.shape, t.dtype.itemsize, sliced, dst_spec)
         else:
-            items = m.reduce_items(t.shape, t.dtype.itemsize, produced, partial, dst_spec, REDUCE_OP, share)
+            items = m.reduce_items(t.shape, self.dst_itemsize(edge), produced, partial, dst_spec, REDUCE_OP, share)
         return self.scaled(items, edge.mult)
 
     def edge_seconds(self, edge, src_spec: Spec, dst_spec: Spec) -> float:
         """Seconds per step of :meth:`edge_comms`."""
         return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
+
+    def src_itemsize(self, edge) -> int:
+        """Bytes an element of an edge's operand moves as where it is resharded for the op: 2
+        where a layout op hands it on only to bfloat16-pass dots on a TPU (:func:`read_as_bf16`)."""
+        t = self.g.tensors[edge.src]
+        return 2 if edge.dst in self.narrow and edge.primitive in LAYOUT and t.dtype.itemsize == 4 \
+            else t.dtype.itemsize
+
+    def dst_itemsize(self, edge) -> int:
+        """Bytes an element of an edge's result moves as where it is resharded after the op."""
+        t = self.g.tensors[edge.dst]
+        return 2 if edge.dst in self.narrow else t.dtype.itemsize
+
+    def moved_itemsize(self, dot, t) -> int:
+        """Bytes an element of a dot's operand takes where it is resharded for the dot: 2 for
+        float32 operands at DEFAULT precision on a TPU (libtpu rounds them to bfloat16 for the
+        one-pass matmul before it gathers them), else the operand's own."""
+        return 2 if dot.bf16_pass and self.m.tiled else t.dtype.itemsize
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
@@ -292,7 +353,7 @@ class Enumerator:
         out = []
         for tid, have, need in ((dot.lhs, lhs_spec, req_l), (dot.rhs, rhs_spec, req_r)):
             t = self.g.tensors[tid]
-            out += self.m.reshard_items(t.shape, t.dtype.itemsize, have, need)
+            out += self.m.reshard_items(t.shape, self.moved_itemsize(dot, t), have, need)
         t = self.g.tensors[dot.out]
         groups = self.partial_groups(dot, option)
         out += self.m.reduce_items(t.shape, t.dtype.itemsize, prod, partial, out_spec, groups,
@@ -566,7 +627,7 @@ class Enumerator:
                 src = g.tensors[e.src]
                 haves, h_index = _distinct(spec_of[e.src])
                 needs, n_index = _distinct([e.required(d) for d in spec_of[e.dst]])
-                cells = self.m.reshard_table(src.shape, src.dtype.itemsize, haves, needs)
+                cells = self.m.reshard_table(src.shape, self.src_itemsize(e), haves, needs)
                 table = e.mult * cells[np.ix_(h_index, n_index)]
             elif e.required is not None:
                 # The operand moves, or the op runs on it in place and its result moves:
@@ -575,15 +636,15 @@ class Enumerator:
                 haves, h_index = _distinct(spec_of[e.src])
                 dsts, d_index = _distinct(spec_of[e.dst])
                 needs, n_index = _distinct([e.required(d) for d in dsts])
-                moved = self.m.reshard_table(src.shape, src.dtype.itemsize, haves, needs)[:, n_index]
+                moved = self.m.reshard_table(src.shape, self.src_itemsize(e), haves, needs)[:, n_index]
                 made = [[e.passthrough(have, d) for d in dsts] for have in haves]
                 self._cheaper_in_place(moved, made, lambda outs: self.m.reshard_table(
-                    out.shape, out.dtype.itemsize, outs, dsts))
+                    out.shape, self.dst_itemsize(e), outs, dsts))
                 if e.rewrite is not None:
                     rewritten = [[(r[1], r[2], None) if (r := e.rewrite(have, d)) else None for d in dsts]
                                  for have in haves]
                     self._cheaper_in_place(moved, rewritten, lambda rows: self.m.reduce_table(
-                        out.shape, out.dtype.itemsize, rows, dsts))
+                        out.shape, self.dst_itemsize(e), rows, dsts))
                 table = e.mult * moved[np.ix_(h_index, d_index)]
             elif not e.primitive.startswith("scatter"):
                 # A result made as ``produced`` (partial over some axes) and reduced to the spec
@@ -592,7 +653,7 @@ class Enumerator:
                 dsts, d_index = _distinct(spec_of[e.dst])
                 made, m_index = _distinct([(p, tuple(part), REDUCE_OP) for p, part in map(e.produced, haves)])
                 dst = g.tensors[e.dst]
-                cells = self.m.reduce_table(dst.shape, dst.dtype.itemsize, made, dsts,
+                cells = self.m.reduce_table(dst.shape, self.dst_itemsize(e), made, dsts,
                                             self.combined.get(e.dst, 1))[m_index]
                 table = e.mult * cells[np.ix_(h_index, d_index)]
             else:       # a scatter's partial sums (rare): priced cell by cell
@@ -621,7 +682,7 @@ class Enumerator:
                                         else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
             haves, h_index = _distinct(spec_of[tid])
             t = g.tensors[tid]
-            shape, itemsize = t.shape, t.dtype.itemsize
+            shape, itemsize = t.shape, t.dtype.itemsize if role == "out" else self.moved_itemsize(dot, t)
             if role == "out":
                 cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
                 for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch

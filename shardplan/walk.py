@@ -162,6 +162,7 @@ class _Walker:
         for t in outs:
             if t is not None:
                 level.last_use[t] = len(level.defined)
+                g.level_outputs.add(t)
         fuse(g, level, set(outs))
         return outs
 
@@ -201,6 +202,8 @@ class _Walker:
                 elif t is not None and g.tensors[t].rank:
                     g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
                     g.pin(t, 0)
+                if t is not None:       # a scanned operand feeds its slices to bt; a const or carry: None
+                    g.scanned_into.setdefault(t, []).append(bt if k >= nc + nk else None)
                 body_in.append(bt)
             outer, g._loops = g.current_loop, g._loops + 1
             g.current_loop = g._loops
@@ -225,6 +228,7 @@ class _Walker:
                     g.union(t, bt, [(d + 1, d) for d in range(g.tensors[bt].rank)])
                     g.pin(t, 0)
                     g.stacked[bt] = length
+                    g.stacked_into[bt] = t
         elif prim == "while":
             p = eqn.params
             cn, bn = p["cond_nconsts"], p["body_nconsts"]

@@ -31,10 +31,11 @@ def _block(h, w):
     return h + jnp.tanh(h @ w_in) @ w_out, None
 
 
-def _step(wide_block=_block, narrow_block=_block):
+def _step(wide_block=_block, narrow_block=_block, classes="ab"):
     def loss(params, x, y):
-        h, _ = shardplan.layer_scan(wide_block, x, (params["a_in"], params["a_out"]))
-        h, _ = shardplan.layer_scan(narrow_block, h, (params["b_in"], params["b_out"]))
+        h = x
+        for c, block in zip(classes, (wide_block, narrow_block)):
+            h, _ = shardplan.layer_scan(block, h, (params[f"{c}_in"], params[f"{c}_out"]))
         return jnp.mean((h - y) ** 2)
 
     def train_step(state, batch):
@@ -218,6 +219,32 @@ def test_a_slow_host_link_shows_in_the_step_and_is_not_chosen():
     assert p.cost.step_s == pytest.approx(p.cost.compute_s + p.cost.comm_s + p.cost.offload_exposed_s)
     auto = shardplan.plan(step, state, batch, mesh=slow, remat="auto", memory_budget="3GiB", **KW)
     assert "offload" not in [s["policy"] for s in auto.remat["sites"]]
+
+
+def _one_class(state):
+    params = {k: v for k, v in state[0].items() if k.startswith("a_")}
+    return params, TX.init(params)
+
+
+def test_in_a_pipeline_dots_and_offload_keep_the_projections():
+    """A pipeline runs its stages under a vmap, which gives every matmul a batch dimension: the
+    policies that keep "matmuls without batch dimensions" kept none and recomputed like "full".
+    Under a pipeline they keep the matmuls with no batch dimension but the vmap's."""
+    from shardplan.pipeline import PipelineConfig
+    state, batch = _concrete(layers=4)
+    state, step = _one_class(state), _step(classes="a")
+    config = PipelineConfig(2, 4)
+    kw = dict(pipeline=config, time_limit=2, **KW)
+    gpu = shardplan.load_mesh("h100-8", axes={"stage": 2, "data": 4})
+    plans = {name: shardplan.plan(step, jax.eval_shape(lambda: state), batch, mesh=gpu, remat=name, **kw)
+             for name in ("dots", "offload", "full")}
+    assert plans["offload"].cost.offload_bytes > 0
+    assert plans["full"].cost.offload_bytes == plans["dots"].cost.offload_bytes == 0
+    assert plans["dots"].cost.compute_s < plans["full"].cost.compute_s
+    assert plans["offload"].cost.compute_s == pytest.approx(plans["dots"].cost.compute_s)
+    # And it trains like jax.jit (on CPU devices: "dots", the offload refused there).
+    f = shardplan.auto(step, mesh=shardplan.load_mesh("cpu-8", axes={"stage": 2, "data": 4}), remat="dots", **kw)
+    _runs_like_jit(f, step, state, batch)
 
 
 # -- the search's order, on synthetic plans ------------------------------------------------------------------
