@@ -18,7 +18,7 @@ import shardplan
 from shardplan import targets
 from shardplan.cost import CostModel
 from shardplan.rules import apply_rule
-from shardplan.strategies import read_as_bf16
+from shardplan.bf16_pass import read_as_bf16
 from shardplan.walk import build_graph
 
 f32 = jnp.float32
