@@ -335,7 +335,9 @@ class AutoFunction:
             memory, _, _ = _compile_for_target(c, spec, resolved, self._abstract(c, args, kwargs), self.jit_kwargs,
                                                targets.HBM_ONLY_OPTIONS[resolved])
             compiler += "; memory with VMEM placement off (HBM alone)"
-        return audit(c.plan, compiled, spec, jax_mesh, platform=resolved, compiler=compiler, memory_compiled=memory)
+        # "cpu" is these devices (a GPU's own compiler where they are GPUs): audit reads their platform.
+        return audit(c.plan, compiled, spec, jax_mesh, platform=None if resolved == "cpu" else resolved,
+                     compiler=compiler, memory_compiled=memory)
 
     @property
     def fit_attempts(self) -> list:

@@ -26,6 +26,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from shardplan.attention_pattern import Dataflow, Found, find
+from shardplan.walk import scan_counts
 
 
 def _bthd(x, labels: tuple[str, ...], order: str):
@@ -123,7 +124,7 @@ class _Interpreter:
         return outs if eqn.primitive.multiple_results else [outs]
 
     def _scan(self, params, ins, inner_known, traceback) -> list:
-        body, nc, ncarry = params["jaxpr"], params["num_consts"], params["num_carry"]
+        body, (nc, ncarry) = params["jaxpr"], scan_counts(params)
         consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
         known = {v: f for v, f in zip(body.jaxpr.invars[:nc], inner_known[:nc]) if f is not None}
 
@@ -168,7 +169,7 @@ def _search(jaxpr, known: dict, record: Callable) -> int:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "scan":
-            closed, nc = eqn.params["jaxpr"], eqn.params["num_consts"]
+            closed, (nc, _) = eqn.params["jaxpr"], scan_counts(eqn.params)
             inner = {v: level.ref(x) for v, x in zip(closed.jaxpr.invars[:nc], eqn.invars[:nc])}
             inner = {**{v: r for v, r in inner.items() if r is not None}, **_values(closed.jaxpr.constvars, closed.consts)}
             count += _search(closed.jaxpr, inner, record)

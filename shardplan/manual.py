@@ -32,7 +32,7 @@ import jax.extend.core as jax_core
 from shardplan.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
 from shardplan.liveness import FUSIBLE, REDUCTIONS
 from shardplan.splitk import Gpu, dims_of, partials
-from shardplan.walk import CALL_PRIMITIVES, sub_jaxpr
+from shardplan.walk import CALL_PRIMITIVES, scan_counts, sub_jaxpr
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -316,9 +316,10 @@ class _Buffers:
                 op.kind = "loop"
                 body = subs[0]
                 op.inner = _Buffers(body, state=True).peak
-                first = eqn.params["num_consts"] if prim == "scan" else eqn.params["body_nconsts"] + \
-                    eqn.params["cond_nconsts"]
-                count = eqn.params["num_carry"] if prim == "scan" else len(eqn.outvars)
+                if prim == "scan":
+                    first, count = scan_counts(eqn.params)
+                else:
+                    first, count = eqn.params["body_nconsts"] + eqn.params["cond_nconsts"], len(eqn.outvars)
                 op.carried = {k: first + k for k in range(count)}
             elif subs:
                 op.kind = "branch"

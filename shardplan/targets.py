@@ -31,13 +31,14 @@ TARGETS = ("auto", "cpu", "gpu", "tpu")
 # published specifications (CUDA C Programming Guide, "Compute capabilities"; the H100 and A100
 # whitepapers): SMs, FP32 lanes per SM, shared memory per SM and per block (opt-in), L2, boost
 # clock, compute capability. Memory size and bandwidth come from the preset (``usable_bytes``,
-# ``hbm_bandwidth``).
+# ``hbm_bandwidth``). The H200's were checked against a lent H200's device properties (2026-12-04,
+# ``benchmarks/device_check.py``): its L2 is 60 MiB, not the H100's 50; the rest as listed.
 _GPU_FAMILIES = {
     "h100": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
                  l2_cache_size=52428800, clock_rate_ghz=1.98, major=9, minor=0,
                  description="NVIDIA H100 80GB HBM3"),
     "h200": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
-                 l2_cache_size=52428800, clock_rate_ghz=1.98, major=9, minor=0, description="NVIDIA H200"),
+                 l2_cache_size=62914560, clock_rate_ghz=1.98, major=9, minor=0, description="NVIDIA H200"),
     "a100": dict(core_count=108, fpus_per_core=64, shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
                  l2_cache_size=41943040, clock_rate_ghz=1.41, major=8, minor=0,
                  description="NVIDIA A100-SXM4-80GB"),
@@ -109,7 +110,7 @@ device_description_str: "{f['description']}"
 def available(target: str) -> bool:
     """Whether this machine can compile for ``target`` ("cpu" always)."""
     if target == "gpu":
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
     if target == "tpu":
         return importlib.util.find_spec("libtpu") is not None
     return target == "cpu"

@@ -70,6 +70,15 @@ def body_prefix(here: str, eqn, branch: int = 0) -> str:
     return f"{here}/b{branch}/" if eqn.primitive.name == "cond" else f"{here}/"
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """A ``scan`` equation's (consts, carry) operand counts: ``num_consts``/``num_carry`` up to
+    jax 0.10, the lengths of the ``ft_in`` flat tree's first two parts from jax 0.11."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def sub_jaxpr(eqn) -> tuple[Any, list]:
     """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
     for value in eqn.params.values():
@@ -192,7 +201,7 @@ class _Walker:
         if prim == "scan":
             p = eqn.params
             body = p["jaxpr"].jaxpr
-            nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+            (nc, nk), length = scan_counts(p), int(p["length"])
             body_in = []
             for k, (v, t) in enumerate(zip(body.invars, ins)):
                 bt = g.new_tensor(v.aval, _name_of(eqn) + "/body_in", "activation", source_of(eqn, g.call_source),

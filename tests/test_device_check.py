@@ -16,6 +16,11 @@ def test_device_check_writes_predicted_and_measured(tmp_path):
                        cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert data["platform"] == "cpu" and data["calibration"]["peak_flops_measured"]["float32"] > 0
+    assert data["facts"]["platform"] == "cpu" and data["facts"]["base"] == "cpu-8"
+    assert data["calibration"]["peak_flops_measured"]["float32"] > 0
     [row] = data["models"]
-    assert row["measured_s"] > 0 and row["predicted_s"] > 0 and "error" not in row
+    assert "error" not in row, row
+    assert row["measured_s"] > 0 and row["predicted_s"] > 0
+    # The program that ran is the one read back, and the plan trains like jax.jit.
+    assert row["here"]["memory"] > 0 and row["memory_predicted"] > 0
+    assert row["loss_max_rel_diff"] < 1e-4, (row["losses"], row["jit_losses"])
