@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 @dataclasses.dataclass
 class Level:
     """Liveness bookkeeping of one jaxpr being walked."""
@@ -40,6 +42,9 @@ IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "s
 EXPENSIVE = frozenset("""
 cos div erf erf_inv exp exp2 expm1 integer_pow log log1p logistic pow rem rsqrt sin sqrt tan tanh
 """.split())
+# Of those, the ones XLA's GPU fusion counts cheap in float32 and float16 (one hardware
+# instruction each: GpuPriorityFusion::IsExpensive), so it computes them again in each reader.
+GPU_CHEAP = frozenset(("div", "exp", "rsqrt", "sqrt"))
 REDUCTIONS = frozenset(("reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum"))
 
 
@@ -62,7 +67,7 @@ def fuse(g, level: Level, kept: set) -> None:
             fold = FUSIBLE | {"dot_general", "conv_general_dilated"} if made[0] == "transpose" else FUSIBLE
             if not readers or any(p not in fold for p, _ in readers):
                 continue
-            if len(readers) > 1 and made[0] in EXPENSIVE:
+            if len(readers) > 1 and _expensive(g, t, made[0]):
                 continue
             fused.add(t)
             end = level.last_use.get(t, i)
@@ -90,6 +95,13 @@ def fuse(g, level: Level, kept: set) -> None:
                         and g.tensors[x].nbytes == g.tensors[t].nbytes:
                     level.last_use[x] = i - 1
                     break
+
+
+def _expensive(g, t: int, prim: str) -> bool:
+    """Whether XLA stores ``t`` (made by ``prim``) rather than compute it in each of its readers."""
+    if prim not in EXPENSIVE:
+        return False
+    return not (g.compiler == "gpu" and prim in GPU_CHEAP and g.tensors[t].dtype in (np.float32, np.float16))
 
 
 def peak(g, level: Level, exclude: set[int], *, host: bool = False) -> tuple[list[int], list[int]]:

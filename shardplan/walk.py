@@ -119,10 +119,13 @@ class _Walker:
         for position, eqn in enumerate(jaxpr.eqns):
             i = len(level.defined)          # this eqn's position in the level's schedule
             ins = [read(v) for v in eqn.invars]
-            for t in ins:
+            prim = eqn.primitive.name
+            inlined = prim in CALL_PRIMITIVES and not is_shift(eqn)
+            # An inlined call's operands are read where its body reads them; one its body never
+            # reads is dead code to XLA (jnp.where's transpose passes one), not a live buffer.
+            for t in ins if not inlined else ():
                 if t is not None:
                     level.last_use[t] = i
-            prim = eqn.primitive.name
             here = eqn_path(prefix, position, eqn)
             if prim == "custom_lin":
                 raise ShardplanError(
@@ -136,7 +139,7 @@ class _Walker:
                     env[v] = t
                 level.defined.append([])
                 continue
-            if prim in CALL_PRIMITIVES and not is_shift(eqn):
+            if inlined:
                 body, _ = sub_jaxpr(eqn)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
                 g.prefix = body_prefix(here, eqn)
