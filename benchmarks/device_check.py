@@ -178,7 +178,7 @@ def part_model(args) -> dict:
                    **{k: getattr(m, k) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                  "temp_size_in_bytes", "alias_size_in_bytes")}}
     kind = targets.compiler_kind(mesh)
-    if kind != "cpu":
+    if kind != "cpu" and not args.quick:
         try:
             t = time.perf_counter()
             a = step.audit_for(kind, state, data)
@@ -194,6 +194,8 @@ def part_model(args) -> dict:
     # Parity: the same steps under plain jax.jit from the same initial state. jax.jit does not
     # recompute, so a plan that recomputes may be one jax.jit cannot fit: compared where it does not.
     policies = {s["policy"] for s in (step.plan.remat or {}).get("sites", [])}
+    if args.quick:
+        return row
     if policies - {"none"} and c.memory_bytes > 0.3 * mesh.device.budget_bytes:
         row["losses"], row["jit_losses"] = losses, f"not run: the plan recomputes ({', '.join(sorted(policies))})"
         return row
@@ -248,6 +250,7 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true", help="price on the preset's peaks")
     ap.add_argument("--calibrated", help="a calibration's JSON (this script's 'calibration') instead of measuring")
     ap.add_argument("--remat", default="auto", help="shardplan.auto's remat (default: auto, the planner's choice)")
+    ap.add_argument("--quick", action="store_true", help="time and memory only: no deviceless compile, no jax.jit parity")
     ap.add_argument("--part", choices=("facts", "calibrate", "model"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--calibration", help=argparse.SUPPRESS)
@@ -257,7 +260,8 @@ def main() -> None:
         print(MARK + json.dumps(result), flush=True)
         return
     start = time.perf_counter()
-    common = [*(["--base", args.base] if args.base else []), "--steps", str(args.steps), "--remat", args.remat]
+    common = [*(["--base", args.base] if args.base else []), "--steps", str(args.steps), "--remat", args.remat,
+              *(["--quick"] if args.quick else [])]
     result: dict = {"facts": _run_part(["--part", "facts", *common], args.part_timeout_s)}
     print(json.dumps(result["facts"], indent=1), flush=True)
     _write(args.out, result)
