@@ -45,6 +45,7 @@ cos div erf erf_inv exp exp2 expm1 integer_pow log log1p logistic pow rem rsqrt 
 # Of those, the ones XLA's GPU fusion counts cheap in float32 and float16 (one hardware
 # instruction each: GpuPriorityFusion::IsExpensive), so it computes them again in each reader.
 GPU_CHEAP = frozenset(("div", "exp", "rsqrt", "sqrt"))
+DOTS = frozenset(("dot_general", "conv_general_dilated"))
 REDUCTIONS = frozenset(("reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum"))
 
 
@@ -56,20 +57,27 @@ def fuse(g, level: Level, kept: set) -> None:
     until its last reader. An expensive result read more than once is stored (XLA does not
     duplicate it). Later results first, so a fused chain hands liveness back to its start.
     """
-    fused = set()
+    fused, prologue = set(), set()
     for i in range(len(level.defined) - 1, -1, -1):
         for t in level.defined[i]:
             made = level.made_by.get(t)
             if made is None or t in kept or made[0] not in FUSIBLE or made[0] in REDUCTIONS:
                 continue
             readers = g.readers.get(t, [])
-            # XLA folds a transpose into the dots that read it (its TransposeFolding pass).
-            fold = FUSIBLE | {"dot_general", "conv_general_dilated"} if made[0] == "transpose" else FUSIBLE
+            # XLA folds a transpose into the dots that read it (its TransposeFolding pass); its
+            # GPU compiler converts a matmul's operand inside the matmul's kernel (a Triton GEMM
+            # fusion), which reads the unconverted tensor: that one is stored.
+            into_dots = made[0] == "transpose" or (made[0] == "convert_element_type" and g.compiler == "gpu")
+            fold = FUSIBLE | DOTS if into_dots else FUSIBLE
             if not readers or any(p not in fold for p, _ in readers):
                 continue
             if len(readers) > 1 and _expensive(g, t, made[0]):
                 continue
+            if any(o in prologue for _, outs in readers for o in outs):
+                continue
             fused.add(t)
+            if made[0] == "convert_element_type" and into_dots and any(p in DOTS for p, _ in readers):
+                prologue.add(t)
             end = level.last_use.get(t, i)
             for x in made[1]:
                 if x in level.last_use:

@@ -148,6 +148,18 @@ def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
         edge(ins[0], out, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
         return
 
+    if prim == "unstack":       # lax.unstack; from jax 0.12 also `a, b = x` (slice + squeeze before)
+        axis = p["axis"]
+        for o in outs:
+            edge(ins[0], o, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+        return
+
+    if prim == "stack":         # unstack's transpose (jax >= 0.12): the result gains `axis`
+        axis = p["axis"]
+        for t in ins:
+            edge(t, out, required=lambda s, axis=axis: s[:axis] + s[axis + 1:])
+        return
+
     if prim == "broadcast_in_dim":
         bd = p["broadcast_dimensions"]
         shape_in = g.tensors[ins[0]].shape if ins[0] is not None else ()

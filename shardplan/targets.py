@@ -110,10 +110,17 @@ device_description_str: "{f['description']}"
 def available(target: str) -> bool:
     """Whether this machine can compile for ``target`` ("cpu" always)."""
     if target == "gpu":
-        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+        return any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
     if target == "tpu":
-        return importlib.util.find_spec("libtpu") is not None
+        return _installed("libtpu")
     return target == "cpu"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:         # its parent package (jax_plugins) is not installed either
+        return False
 
 
 def resolve(target: str, spec: MeshSpec) -> str:

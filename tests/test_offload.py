@@ -124,7 +124,10 @@ def test_offloading_named_residuals_is_planned_around_and_runs_like_jit():
     assert tagged.cost.memory_bytes == plain.cost.memory_bytes and tagged.cost.step_s == plain.cost.step_s
     tagged, plain = _plan_quietly(_step(named, named), state, batch, mesh="cpu-8"), \
         _plan_quietly(_step(), state, batch, mesh="cpu-8")
-    assert tagged.cost.memory_bytes > plain.cost.memory_bytes
+    # Up to jax 0.11 tanh's derivative reads tanh's result: it is saved besides its tag. From jax 0.12
+    # (one_minus_square) only the tag is saved, in its place: the same memory (both checked by compiling).
+    tanh_saved = "one_minus_square" not in str(jax.make_jaxpr(jax.grad(jnp.tanh))(1.0))
+    assert (tagged.cost.memory_bytes > plain.cost.memory_bytes) == tanh_saved
 
 
 def test_on_the_cpu_compiler_host_tensors_stay_in_device_memory():

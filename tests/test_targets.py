@@ -149,3 +149,15 @@ def test_fit_compiled_on_the_gpu_target_from_python():
     compiled, _, compiler = f.compile_for("gpu", state, batch)
     assert compiler.startswith("XLA GPU (deviceless") and compiled is f._last.compiled_for["gpu"][0]
     assert compiled_memory(compiled) == f.fit_attempts[-1].compiled_bytes
+
+
+def test_a_missing_plugin_package_means_not_available(monkeypatch):
+    """Without the aot extra there is no ``jax_plugins`` package at all: find_spec raises for its
+    submodules, and the GPU target is simply absent (the tests that need it skip)."""
+    import importlib.util
+
+    def find_spec(name, *args):
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert not targets.available("gpu") and not targets.available("tpu") and targets.available("cpu")
+    assert targets.resolve("auto", shardplan.load_mesh("h100-8")) == "cpu"

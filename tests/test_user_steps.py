@@ -132,3 +132,27 @@ def test_resnet_batch_1024_on_h100_8_splits_the_batch():
     split = [r for r in maps if r.spec and r.spec[0]]
     assert len(split) > len(maps) / 2, [(r.name, r.spec) for r in maps[:20]]
     assert not p.warnings
+
+
+def test_unstacked_layer_weights_are_sharded_and_train_like_jit():
+    """``jnp.unstack`` (and from jax 0.12 ``a, b = x``, ``for w in stacked``) traces to ``unstack``,
+    its gradient to ``stack``: both have rules, so the stacked weight is sharded, not gathered."""
+    def loss(w, x):
+        for layer in jnp.unstack(w):
+            x = jnp.tanh(x @ layer)
+        return jnp.mean(x ** 2)
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(loss)(w, x)
+        return w - 0.5 * grad, {"loss": value}
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w0, x = jax.random.normal(k1, (4, 256, 256)) / 16, jax.random.normal(k2, (64, 256))
+    planned = shardplan.auto(step, mesh=_mesh("2x4"), memory_budget="1MiB", donate_argnums=(0,))
+    jitted = jax.jit(step, donate_argnums=(0,))
+    w, v = w0, jnp.array(w0)
+    for _ in range(3):
+        (w, m), (v, n) = planned(w, x), jitted(v, x)
+        np.testing.assert_allclose(float(m["loss"]), float(n["loss"]), rtol=1e-5)
+    spec = planned.plan.inputs[0].spec
+    assert any(spec), f"the stacked weight is replicated: {spec}"
