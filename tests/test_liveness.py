@@ -63,3 +63,19 @@ def test_recomputed_softmax_memory_against_the_gpu_compiler():
     step = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), remat="dots_all")
     audit = step.audit_for("gpu", state, batch)
     assert abs(audit.memory_error()) < 0.15, audit.table()
+
+
+@pytest.mark.parametrize("compiler,stored", [("gpu", "float32"), ("cpu", "bfloat16")])
+def test_a_matmul_operands_convert_runs_inside_the_gpu_gemm(compiler, stored):
+    # The GPU compiler converts a dot's operand inside the GEMM kernel (a Triton GEMM fusion): the
+    # float32 tensor before the convert is stored. Other compilers store the converted one.
+    def f(x, w):
+        h = jnp.tanh(x @ x)                                  # float32, read only by the convert
+        return (h.astype(jnp.bfloat16) @ w).sum()
+
+    live = _live(f, jax.ShapeDtypeStruct((N, N), jnp.float32), jax.ShapeDtypeStruct((N, N), jnp.bfloat16),
+                 compiler=compiler)
+    names = {(dtype, name) for shape, dtype, name in live if shape == (N, N)}
+    other = "bfloat16" if stored == "float32" else "float32"
+    assert any(d == stored and n in ("tanh", "convert_element_type") for d, n in names), names
+    assert not any(d == other and n in ("tanh", "convert_element_type") for d, n in names), names
