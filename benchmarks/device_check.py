@@ -47,12 +47,9 @@ def _write(path: str, data: dict) -> None:
 
 
 def _base(device_kind: str, platform: str) -> str:
-    kind = device_kind.lower()
-    for family, preset in (("h200", "h200-8"), ("h100", "h100-8"), ("a100", "a100-8"), ("v5p", "tpu-v5p-64"),
-                           ("v5", "tpu-v5e-256")):
-        if family in kind:
-            return preset
-    return {"gpu": "h100-8", "tpu": "tpu-v5e-256"}.get(platform, "cpu-8")
+    """This device's preset (:func:`shardplan.hardware.preset_for_kind`), else the platform's."""
+    from shardplan.hardware import preset_for_kind
+    return preset_for_kind(device_kind) or {"gpu": "h100-8", "tpu": "tpu-v5e-256"}.get(platform, "cpu-8")
 
 
 def _one_device(base: str, calibration: dict | None):

@@ -9,10 +9,10 @@ prices such reshards at 2 bytes an element on TPU meshes (:class:`shardplan.stra
 from __future__ import annotations
 
 from shardplan.graph import DotOp, Graph
+from shardplan.liveness import DOTS
 
 # Ops that only relabel or reorder elements: a bfloat16 rounding after them can move before them.
 LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p", "name"})
-_DOTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def read_as_bf16(g: Graph) -> frozenset[int]:
@@ -39,7 +39,7 @@ def read_as_bf16(g: Graph) -> frozenset[int]:
                 or not (readers or stacked is not None) or not all(d.bf16_pass for d in dots.get(t, ())):
             return False
         for prim, outs in readers:
-            if prim in _DOTS:
+            if prim in DOTS:
                 continue
             if prim in LAYOUT and outs and all(narrow(o) for o in outs):
                 continue

@@ -76,7 +76,7 @@ def fuse(g, level: Level, kept: set) -> None:
             if any(o in prologue for _, outs in readers for o in outs):
                 continue
             fused.add(t)
-            if made[0] == "convert_element_type" and into_dots and any(p in DOTS for p, _ in readers):
+            if into_dots and made[0] == "convert_element_type" and any(p in DOTS for p, _ in readers):
                 prologue.add(t)
             end = level.last_use.get(t, i)
             for x in made[1]:
