@@ -84,6 +84,7 @@ def fuse(g, level: Level, kept: set) -> None:
                     level.last_use[x] = max(level.last_use[x], end)
     if fused:
         level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
+        g.fused |= fused
     # A stored elementwise result takes over the buffer of a same-size operand that dies in
     # its kernel (XLA shares an elementwise fusion's output with such an operand).
     for i, ts in enumerate(level.defined):

@@ -33,7 +33,9 @@ def hbm_traffic(graph: Graph) -> dict[int, int]:
 
     A tensor that a dot, a non-elementwise op or the step's boundary reads or writes is
     materialised: written once and read once. Intermediates inside a group of elementwise ops
-    are fused away and cost nothing. (Dots price their own operand traffic.)
+    are fused away and cost nothing: those :func:`shardplan.liveness.fuse` computes inside their
+    readers (:attr:`~shardplan.graph.Graph.fused`), whatever edge they sit on. (Dots price their own
+    operand traffic.)
     """
     traffic: dict[int, int] = {}
     for e in graph.edges:
@@ -47,7 +49,33 @@ def hbm_traffic(graph: Graph) -> dict[int, int]:
     for t in graph.outputs:
         if t is not None:
             traffic[t] = 2
-    return {t: n for t, n in traffic.items() if n}
+    reads: dict[int, int] = {}
+    for t, n in traffic.items():
+        if n == 2 and t not in graph.fused:
+            traffic[t] = 1 + max(1, _kernel_reads(graph, t, reads))
+    return {t: n for t, n in traffic.items() if n and t not in graph.fused}
+
+
+_DOTS = ("dot_general", "conv_general_dilated")
+
+
+def _kernel_reads(graph: Graph, t: int, memo: dict[int, int]) -> int:
+    """How many kernels read ``t`` from HBM: each reader that stores its result, and through a
+    reader fused away, each kernel that one is computed in (XLA recomputes a fused result in every
+    reader). Dots are left out: they price their own operands."""
+    if t in memo:
+        return memo[t]
+    memo[t] = 1                              # a cycle guard; loops carry tensors into themselves
+    n = 0
+    for prim, outs in graph.readers.get(t, []):
+        if prim in _DOTS:
+            continue
+        if outs and all(o in graph.fused for o in outs):
+            n += sum(_kernel_reads(graph, o, memo) for o in outs)
+        else:
+            n += 1
+    memo[t] = n
+    return n
 
 
 def _distinct(values: list) -> tuple[list, np.ndarray]:
