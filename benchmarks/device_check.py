@@ -129,11 +129,13 @@ def part_model(args) -> dict:
     from shardplan.models.train import MODEL_CONFIGS, reference
     from shardplan import targets
     name, batch, *fields = args.model.split(":")
-    overrides, remat, loop = {}, args.remat, 0
+    overrides, remat, loop, profile = {}, args.remat, 0, 0
     for f in fields:
         k, _, v = f.partition("=")
         if k == "@remat":           # this model's remat setting
             remat = v
+        elif k == "@profile":       # then this many steps under the profiler: each kernel's time
+            profile = int(v)
         elif k == "@loop":          # then this many more donated calls, against as many under jax.jit
             loop = int(v)
         else:
@@ -169,6 +171,8 @@ def part_model(args) -> dict:
     except Exception as e:
         row["memory_peak_in_use"] = f"{type(e).__name__}: {e}"
     compiled, _, compiler = step.compile_for("cpu", state, data)     # the program that ran
+    if profile:
+        row["kernels"], row["hlo_file"], state = _profile(step, state, data, profile, compiled, args)
     m = compiled.memory_analysis()
     row["here"] = {"compiler": compiler, "memory": compiled_memory(compiled),
                    "host_memory": compiled_host_memory(compiled),
@@ -222,6 +226,48 @@ def part_model(args) -> dict:
     return row
 
 
+def _profile(step, state, data, steps: int, compiled, args) -> tuple[dict, str, object]:
+    """Each kernel's device time per step over ``steps`` profiled steps, by kernel name (a
+    fusion's kernel bears its name), with the profiler's statistics of its first event; and
+    the compiled program's text written gzipped beside ``--out`` (the kernels are its fusions);
+    and the state the steps leave (the step donates it)."""
+    import glob
+    import gzip
+    import shutil
+    import tempfile
+    import jax
+    from jax.profiler import ProfileData
+    where = tempfile.mkdtemp()
+    state, metrics = step(state, data)
+    jax.block_until_ready(metrics)
+    with jax.profiler.trace(where):
+        for _ in range(steps):
+            state, metrics = step(state, data)
+        jax.block_until_ready(metrics)
+    kernels: dict = {}
+    for path in glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith(os.environ.get("DEVICE_CHECK_PLANE", "/device:")):
+                continue
+            for line in plane.lines:
+                for e in line.events:
+                    try:
+                        stats = {str(n): str(v)[:200] for n, v in e.stats}
+                    except Exception as err:      # the stats API differs across jax versions
+                        stats = {"error": str(err)[:200]}
+                    # Keyed by kernel name: a fusion's kernel is named after it; kernels inside a
+                    # CUDA graph all carry the graph's command buffer as their hlo_op.
+                    where_ = "" if line.name.startswith("Stream") else "@" + line.name
+                    k = kernels.setdefault(e.name + where_, {"ns": 0.0, "n": 0, "line": line.name, "stats": stats})
+                    k["ns"] += e.duration_ns / steps
+                    k["n"] += 1
+    shutil.rmtree(where, ignore_errors=True)
+    name = f"hlo_{args.model.replace(':', '_').replace('=', '-').replace('@', '')}.txt.gz"
+    with gzip.open(os.path.join(os.path.dirname(os.path.abspath(args.out)), name), "wt") as f:
+        f.write(compiled.as_text())
+    return kernels, name, state
+
+
 def _run_part(argv: list[str], timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *argv]
     try:
@@ -257,7 +303,7 @@ def main() -> None:
         print(MARK + json.dumps(result), flush=True)
         return
     start = time.perf_counter()
-    common = [*(["--base", args.base] if args.base else []), "--steps", str(args.steps), "--remat", args.remat,
+    common = ["--out", args.out, *(["--base", args.base] if args.base else []), "--steps", str(args.steps), "--remat", args.remat,
               *(["--quick"] if args.quick else [])]
     result: dict = {"facts": _run_part(["--part", "facts", *common], args.part_timeout_s)}
     print(json.dumps(result["facts"], indent=1), flush=True)

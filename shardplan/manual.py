@@ -54,7 +54,7 @@ class BodyCosts:
     flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dot_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # Bytes of the values other ops read or write whole (reductions, slices, updates, transposes:
-    # each written once and read once, as :func:`shardplan.strategies.hbm_traffic` counts a
+    # each written once and read once, as :func:`shardplan.traffic.hbm_traffic` counts a
     # step's); elementwise chains fuse and cost nothing. Priced at HBM bandwidth.
     hbm_bytes: float = 0.0
 

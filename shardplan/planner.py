@@ -444,9 +444,12 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             cost_of[r.out] += seconds * r.mult
     if compiler_kind(mesh) != "cpu":         # XLA's CPU pipeline does not reassociate all-reduces
         _reassociated(graph, all_reduced, account)
+    searched = compute          # the ILP's pricing: HBM traffic counted its way
     for t in graph.tensors:
-        if t.id in enum.traffic and t.rank:
-            s = enum.hbm_seconds(t.id, model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id]))
+        if t.rank and (t.id in enum.traffic or t.id in enum.priced_traffic):
+            per_device = model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id])
+            searched += enum.hbm_seconds(t.id, per_device)
+            s = enum.hbm_seconds(t.id, per_device, priced=True)     # as XLA fuses it: the prediction
             compute += s
             cost_of[t.id] += s
 
@@ -486,6 +489,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes)
+    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
                 result_pins=result_pins, rewrites=rewrites,

@@ -47,10 +47,7 @@ POLICIES = {"none": None, "dots_all": "dots_saveable", "dots": "dots_with_no_bat
             "offload": "offload_dot_with_no_batch_dims", "full": "nothing_saveable"}
 USER = "user"       # the class's own jax.checkpoint is kept
 OFFLOADING = frozenset({"offload"})       # policies that need host memory apart from the device's
-# policy -> the policies it is never faster than: it recomputes at least what each recomputes and
-# copies at least what each copies to the host.
-_NO_FASTER = {"none": {"none"}, "dots_all": {"none", "dots_all"}, "dots": {"none", "dots_all", "dots"},
-              "offload": {"none", "dots_all", "dots", "offload"}, "full": {"none", "dots_all", "dots", "full"}}
+
 
 
 class RecomputeError(ShardplanError, ValueError):
@@ -230,10 +227,6 @@ def layer_remat(f: Callable) -> Callable:
 
 # -- choosing ------------------------------------------------------------------------------------
 
-def _fits_unbound(plan) -> bool:
-    return plan is not None and not plan.solver.memory_bound
-
-
 def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], *,
            policies=policies_for(False), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
            first=...):
@@ -243,12 +236,13 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
     for the step as written, if already made. Returns ``(choices, plan, tried)`` with ``tried``
     the ``(choices, plan or None)`` in order; ``plan`` is ``None`` where nothing fits.
 
-    No recomputation is tried first; where its plan fits without the budget shaping it (the
-    unconstrained optimum fits), recomputing can only add compute and the search stops there.
-    Otherwise every assignment is planned for up to ``max_exhaustive`` classes; beyond that each
-    policy for all classes, then one class at a time changed while the step improves. Either way
-    an assignment that recomputes at least as much in every class as one that fit unshaped by
-    the budget is not planned (it can only add compute).
+    No recomputation is tried first. Then every assignment is planned for up to ``max_exhaustive``
+    classes; beyond that each policy for all classes, then one class at a time changed while the
+    step improves. Nothing is skipped because no recomputation fits: recomputing adds compute but
+    keeps fewer residuals, and each kept one costs HBM traffic (a scan zero-fills every stacked
+    residual and copies a matmul's into it; :func:`shardplan.traffic.hbm_traffic`), so on a GPU
+    ``dots`` measured faster than ``none`` with memory to spare (RESULTS.md, session 21). ``evaluate``
+    drops a plan early when even its unconstrained optimum cannot beat the best so far.
     """
     free = [k for k, s in sites.items() if not s.checkpointed]
     fixed = {k: USER for k, s in sites.items() if s.checkpointed}
@@ -273,7 +267,7 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         seen[tuple(sorted(base.items()))] = first
         tried.append(({**fixed, **base}, first))
     best_assign, best = base, run(base)
-    if not free or _fits_unbound(best):
+    if not free:
         return {**fixed, **best_assign}, best, tried
     # Host offload only for scanned classes (see _policy_for).
     offered = {k: [p for p in policies if sites[k].scanned or p not in OFFLOADING] for k in free}
@@ -281,21 +275,9 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         grid = [dict(zip(free, combo)) for combo in itertools.product(*(offered[k] for k in free))]
     else:
         grid = [{k: p if p in offered[k] else "full" for k in free} for p in policies]
-    # Least memory saved first. An assignment that, in every class, recomputes and copies to the
-    # host at least what one whose plan fit unshaped by the budget does (_NO_FASTER) cannot be
-    # faster: it is skipped.
     rank = {p: i for i, p in enumerate(POLICIES)}
-    unbound: list[dict[str, str]] = []
-
-    def dominated(assign):
-        return any(all(u[k] in _NO_FASTER[assign[k]] for k in free) for u in unbound)
-
-    for assign in sorted(grid, key=lambda a: sum(rank[p] for p in a.values())):
-        if dominated(assign):
-            continue
+    for assign in sorted(grid, key=lambda a: sum(rank[p] for p in a.values())):   # least memory saved first
         plan = run(assign)
-        if _fits_unbound(plan):
-            unbound.append(assign)
         if better(plan, best):
             best_assign, best = assign, plan
     if len(free) > max_exhaustive and best is not None:
@@ -304,11 +286,9 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
             improved = False
             for k, p in itertools.product(free, policies):
                 assign = {**best_assign, k: p}
-                if best_assign[k] == p or p not in offered[k] or dominated(assign):
+                if best_assign[k] == p or p not in offered[k]:
                     continue
                 plan = run(assign)
-                if _fits_unbound(plan):
-                    unbound.append(assign)
                 if better(plan, best):
                     best_assign, best, improved = assign, plan, True
     return {**fixed, **best_assign}, best, tried

@@ -22,60 +22,11 @@ from shardplan.bf16_pass import LAYOUT, read_as_bf16
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
 from shardplan.splitk import partials
+from shardplan.traffic import hbm_traffic
 from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
 
 
 _LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
-
-
-def hbm_traffic(graph: Graph) -> dict[int, int]:
-    """How many times each tensor crosses HBM per use, assuming XLA fuses elementwise chains.
-
-    A tensor that a dot, a non-elementwise op or the step's boundary reads or writes is
-    materialised: written once and read once. Intermediates inside a group of elementwise ops
-    are fused away and cost nothing: those :func:`shardplan.liveness.fuse` computes inside their
-    readers (:attr:`~shardplan.graph.Graph.fused`), whatever edge they sit on. (Dots price their own
-    operand traffic.)
-    """
-    traffic: dict[int, int] = {}
-    for e in graph.edges:
-        traffic[e.src] = traffic[e.dst] = 2
-    for d in graph.dots:
-        traffic.setdefault(d.out, 0)
-    for t in graph.shifts:              # a roll reads its operand and writes its result
-        traffic[t] = 2
-    for t in graph.inputs:
-        traffic[t] = max(traffic.get(t, 0), 1)
-    for t in graph.outputs:
-        if t is not None:
-            traffic[t] = 2
-    reads: dict[int, int] = {}
-    for t, n in traffic.items():
-        if n == 2 and t not in graph.fused:
-            traffic[t] = 1 + max(1, _kernel_reads(graph, t, reads))
-    return {t: n for t, n in traffic.items() if n and t not in graph.fused}
-
-
-_DOTS = ("dot_general", "conv_general_dilated")
-
-
-def _kernel_reads(graph: Graph, t: int, memo: dict[int, int]) -> int:
-    """How many kernels read ``t`` from HBM: each reader that stores its result, and through a
-    reader fused away, each kernel that one is computed in (XLA recomputes a fused result in every
-    reader). Dots are left out: they price their own operands."""
-    if t in memo:
-        return memo[t]
-    memo[t] = 1                              # a cycle guard; loops carry tensors into themselves
-    n = 0
-    for prim, outs in graph.readers.get(t, []):
-        if prim in _DOTS:
-            continue
-        if outs and all(o in graph.fused for o in outs):
-            n += sum(_kernel_reads(graph, o, memo) for o in outs)
-        else:
-            n += 1
-    memo[t] = n
-    return n
 
 
 def _distinct(values: list) -> tuple[list, np.ndarray]:
@@ -104,7 +55,8 @@ class Enumerator:
         self.groups = graph.groups()
         self.pinned = graph.pinned_classes()
         self.donated_outputs = donated_outputs
-        self.traffic = hbm_traffic(graph)
+        self.traffic = hbm_traffic(graph)                   # the ILP's
+        self.priced_traffic = hbm_traffic(graph, fused=True)  # a plan's predicted step
         self._bytes_memo: dict[tuple, float] = {}
         self.combined = combined_reductions(graph)
         self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
@@ -401,10 +353,11 @@ class Enumerator:
         t = self.g.tensors[tid]
         return t.mult * self.m.memory_bytes(t.shape, t.dtype.itemsize, spec) / self.m.mesh.device.offload_bandwidth
 
-    def hbm_seconds(self, tid: int, per_device_bytes):
+    def hbm_seconds(self, tid: int, per_device_bytes, *, priced: bool = False):
         """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
-        and writes, :func:`hbm_traffic`; nothing for one fused away)."""
-        return self.g.tensors[tid].mult * self.traffic.get(tid, 0) * per_device_bytes / self.m.mesh.device.hbm_bandwidth
+        and writes, :func:`hbm_traffic`: as the ILP counts them, or with ``priced`` as XLA fuses)."""
+        traffic = self.priced_traffic if priced else self.traffic
+        return self.g.tensors[tid].mult * traffic.get(tid, 0) * per_device_bytes / self.m.mesh.device.hbm_bandwidth
 
     def dot_compute(self, dot, option) -> float:
         req_l, req_r, prod, _, _ = self.dot_specs(dot, option)

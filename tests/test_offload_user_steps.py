@@ -389,7 +389,7 @@ def test_layer_scan_offload_runs_like_jit():
     assert [s["policy"] for s in p.remat["sites"]] == ["offload"]
     full = 4 * 16 * 64 * 256 * 4 * 2           # h @ wi and h @ wg per layer
     assert full / 8 <= p.cost.offload_bytes <= full
-    assert p.cost.offload_exposed_s == pytest.approx(max(0.0, p.cost.offload_s - p.cost.compute_s))
+    assert p.cost.offload_exposed_s == p.cost.offload_s > 0        # every host copy shows in the step
     _runs_like_jit(step, state, batch, p)
 
 

@@ -1,0 +1,97 @@
+"""HBM traffic: how many times each tensor of a step crosses a device's memory per use.
+
+Two counts (:func:`hbm_traffic`): the one the ILP prices shardings with (every tensor on a
+sharding edge written once and read once), and the one a chosen plan's step is predicted with,
+as XLA runs it: fused results never stored, a stored one read once per kernel that reads it, and
+a scan's stacked results filled and copied in (profiled on an H200: ``benchmarks/RESULTS.md``,
+session 21).
+"""
+
+from __future__ import annotations
+
+from shardplan.graph import Graph
+
+
+def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
+    """How many times each tensor crosses HBM per use.
+
+    A tensor that a dot, a non-elementwise op or the step's boundary reads or writes is
+    materialised: written once and read once; intermediates inside a group of elementwise ops
+    cost nothing. (Dots price their own operand traffic.)
+
+    With ``fused``, as XLA runs the step (what a plan's predicted step is priced with): a result
+    :func:`shardplan.liveness.fuse` computes inside its readers (:attr:`~shardplan.graph.Graph.fused`)
+    costs nothing whatever edge it sits on, a stored one is written once and read once per kernel
+    that reads it, and a scan's stacked results cost what XLA does to build them (below).
+    Without, every tensor on a sharding edge counts once each way: the form the ILP prices
+    shardings with. Fused results have no cost of their own in the other form, so no option of
+    theirs ever beats another, and the solver's dead-end elimination
+    (:func:`shardplan.simplify.eliminate_dead_ends`) could no longer shrink a layer's problem to
+    what the exact solver takes; and the plans the ILP finds stay those the audits hold.
+
+    A scan's stacked results, as XLA builds them (profiled on an H200, session 21):
+    each stacked buffer is first filled with zeros, copied from a buffer of zeros (``copy`` of a
+    ``broadcast``: its whole size read and written), and a layer's slice that a matmul produces is
+    copied into it (read and written again), as is a slice the loop takes in (its carry, its
+    scanned operand); an elementwise producer writes its slice in place.
+    For gpt2-small's residuals without recomputation (38.6 GiB stacked) the fills took 20 ms of a
+    145 ms step; for llama3-8b's (4 layers) 80 ms of 291. That is why recomputing measured faster.
+    """
+    traffic: dict[int, int] = {}
+    for e in graph.edges:
+        traffic[e.src] = traffic[e.dst] = 2
+    for d in graph.dots:
+        traffic.setdefault(d.out, 0)
+    for t in graph.shifts:              # a roll reads its operand and writes its result
+        traffic[t] = 2
+    for t in graph.inputs:
+        traffic[t] = max(traffic.get(t, 0), 1)
+    for t in graph.outputs:
+        if t is not None:
+            traffic[t] = 2
+    if not fused:
+        return {t: n for t, n in traffic.items() if n}
+    reads: dict[int, int] = {}
+    for t, n in traffic.items():
+        if n == 2 and t not in graph.fused:
+            traffic[t] = 1 + max(1, _kernel_reads(graph, t, reads))
+    traffic = {t: n for t, n in traffic.items() if t not in graph.fused}
+    dot_outs = {d.out for d in graph.dots}
+    made = {o: (prim, t) for t, readers in graph.readers.items() for prim, outs in readers for o in outs}
+    for body, stacked in graph.stacked_into.items():
+        if graph.tensors[stacked].host:                 # offloaded: priced as host copies
+            continue
+        traffic[stacked] = traffic.get(stacked, 0) + 2  # the zero fill: a buffer of zeros copied in
+        source = body
+        while source in made and made[source][0] in _NO_OPS:
+            source = made[source][1]
+        if source in dot_outs or source not in made:
+            traffic[body] = traffic.get(body, 0) + 2    # a matmul's result or the loop's input: copied in
+    return {t: n for t, n in traffic.items() if n}
+
+
+# Ops XLA compiles to nothing: jax.checkpoint passes the residuals it saves through a
+# reduce_precision that keeps every bit (a barrier to CSE).
+_NO_OPS = frozenset({"reduce_precision", "copy", "copy_p", "optimization_barrier"})
+
+
+_DOTS = ("dot_general", "conv_general_dilated")
+
+
+def _kernel_reads(graph: Graph, t: int, memo: dict[int, int]) -> int:
+    """How many kernels read ``t`` from HBM: each reader that stores its result, and through a
+    reader fused away, each kernel that one is computed in (XLA recomputes a fused result in every
+    reader). Dots are left out: they price their own operands."""
+    if t in memo:
+        return memo[t]
+    memo[t] = 1                              # a cycle guard; loops carry tensors into themselves
+    n = 0
+    for prim, outs in graph.readers.get(t, []):
+        if prim in _DOTS:
+            continue
+        if outs and all(o in graph.fused for o in outs):
+            n += sum(_kernel_reads(graph, o, memo) for o in outs)
+        else:
+            n += 1
+    memo[t] = n
+    return n
