@@ -6,7 +6,7 @@ A reference model (scanned layers) planned from ``ShapeDtypeStruct`` arguments o
 recomputation setting (``dots``, ``offload``, ``full`` for every layer class, and ``auto``, the
 planner's own choice per class), then compiled for the mesh's GPU by XLA's CUDA compiler with
 no GPU present (``pip install 'shardplan[aot]'``). One markdown row each: the policy chosen, the
-predicted step (and the host copies' share not hidden by compute), device memory predicted and
+predicted step (and the host copies' share of it), device memory predicted and
 compiled, host memory predicted and compiled, the planner's wall time.
 """
 
@@ -34,7 +34,7 @@ def main() -> None:
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
     print(f"{args.model}, batch {args.batch}, {args.mesh}, budget {args.budget or 'default'}")
-    print("| remat | chosen | predicted step ms | copies not hidden ms | device memory predicted / compiled "
+    print("| remat | chosen | predicted step ms | host copies ms | device memory predicted / compiled "
           "| host memory predicted / compiled | planner wall s |")
     print("|---|---|---|---|---|---|---|")
     for policy in args.policies.split(","):

@@ -62,7 +62,8 @@ class PredictedCost:
     offload_bytes: float = 0.0
     # What the ILP minimised for this plan: the same terms with HBM traffic counted the ILP's way
     # (every tensor on a sharding edge written and read once), where compute_s counts it as XLA
-    # fuses it (shardplan.traffic.hbm_traffic). Equal to the solver's objective.
+    # fuses it (shardplan.traffic.hbm_traffic). The solver's objective, plus any host copies
+    # (offload_s), which the ILP does not price.
     searched_s: float = 0.0
 
     @property

@@ -71,7 +71,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     before for this very problem (:mod:`shardplan.cache`): it is used as it is if its tensors
     are the graph's. ``beat``: seconds a plan must beat to be wanted (an outer search's best so
     far); where the optimum without the budget does not fit and is no faster, that plan is
-    returned as it is, over the budget (no plan under it could be faster), with no budgeted solve;
+    returned as it is, over the budget, with no budgeted solve (under the budget the ILP's objective
+    only grows; the predicted step, which counts HBM traffic its own way, all but always with it);
     on a mesh searched by axes, where a lower bound on every plan's step is no faster, an
     unsolved plan (status ``NOT_SOLVED``). Either way its step is at least ``beat``.
     """
@@ -159,13 +160,14 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted=lambda pro
     meshes of three or more axes): a search that moves one or two mesh axes at a time and prices
     only the options each move may take; under the budget from the leanest plan where the
     unconstrained plan does not fit (and is not ``unwanted``: then it is returned as it is). Where
-    every node at its cheapest (the pairs left out: a lower bound on the step) is no faster than
-    ``beat``, no plan is wanted: the first options are returned unsolved."""
+    :meth:`~shardplan.strategies.Enumerator.step_floor` (a lower bound on the predicted step) is no
+    faster than ``beat``, no plan is wanted: the first options are returned unsolved."""
     nodes = enum.build(tables=False)
-    floor = float(sum(n.cost.min() for n in nodes.nodes))
-    if floor >= beat:
+    floor = float(sum(n.cost.min() for n in nodes.nodes))     # on the ILP's objective
+    step_floor = enum.step_floor()
+    if step_floor >= beat:
         start = [0] * len(nodes.nodes)
-        stats = SolverStats("NOT_SOLVED: no faster than the best so far", total_cost(nodes, start), floor,
+        stats = SolverStats("NOT_SOLVED: no faster than the best so far", total_cost(nodes, start), step_floor,
                             0.0, 0.0, len(start), 0)
         return nodes, Solution(start, stats, peak_memory(nodes, start)), False
     search = functools.partial(solve_by_axis_blocks, enum.node_options(), enum.build,

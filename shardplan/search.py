@@ -129,12 +129,13 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
 
     def plan_in(cand, choices, beat=math.inf, traced=None):
         """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
-        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower).
+        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower on
+        the ILP's objective, and all but always on the prediction).
         ``traced``: the step traced in ``cand`` (``traced_in``'s), if it was already."""
         traced, sites = traced if traced is not None else traced_in(cand, choices)
         budget = budget_for(memory_budget, cand.mesh)
         # Where the plan without the budget does not fit and is no faster than ``beat``, the
-        # planner stops there (under the budget it only gets slower).
+        # planner stops there (under the budget it only gets slower: a heuristic for the prediction).
         p, graph = plan_traced(traced, cand.mesh, budget, options, cache, beat=beat)
         if p.cost.step_s >= beat:
             return None

@@ -458,6 +458,7 @@ class Enumerator:
         base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 
         nodes: list[Node] = []
+        self._untrafficked = []      # per node, its cost less the ILP's HBM traffic
         node_of_group: dict[int, int] = {}
         spec_of: dict[int, list[Spec]] = {}
         for root, members in self.groups.items():
@@ -469,6 +470,7 @@ class Enumerator:
                 continue
             options = all_options[len(nodes)]
             cost = np.zeros(len(options))
+            traffic = np.zeros(len(options))
             memory = np.zeros((len(points), len(options)))
             # Tensors whose dims fall in the same classes share their specs, and of the same
             # shape their bytes: a group's hundreds of tensors have a few dozen of each.
@@ -490,7 +492,7 @@ class Enumerator:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
                 if t in g.shifts:
                     cost += np.array([sum(sec for _, sec in self.shift_comms(t, s)) for s in specs])
-                cost += self.hbm_seconds(t, per_dev)
+                traffic += self.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += per_dev * heap
                 if t in always and not (g.host_apart and tt.host):
@@ -500,7 +502,8 @@ class Enumerator:
             where = tuple((g.tensors[t].shape, g.tensors[t].dtype.name, self.traffic.get(t, 0),
                            _LAYER_INDEX.sub("#", g.tensors[t].source)) for t in ranked)
             signature = hash((where, tuple(tuple(spec_of[t]) for t in ranked)))
-            nodes.append(Node("group", root, options, cost, memory, label, signature))
+            nodes.append(Node("group", root, options, cost + traffic, memory, label, signature))
+            self._untrafficked.append(cost)
 
         node_of_dot: dict[int, int] = {}
         per_option: dict[tuple, np.ndarray] = {}   # dots alike (recomputed, repeated) priced once
@@ -521,8 +524,16 @@ class Enumerator:
                 partials = np.array([self._split_k_partials(dot, o) for o in options]) * heap
                 memory[running] = partials[None, :]
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
+            self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
         return self._full
+
+    def step_floor(self) -> float:
+        """No plan's predicted step is below this: every node at its cheapest, the pairs between
+        them left out, and HBM traffic too (the ILP counts it one way, the prediction another:
+        :mod:`shardplan.traffic`; never below zero)."""
+        self._full_nodes()
+        return float(sum(c.min() for c in self._untrafficked if len(c)))
 
     def build(self, allowed: list | None = None, *, tables: bool = True) -> Problem:
         """The :class:`Problem`. ``allowed`` keeps, per node, only these of its

@@ -22,17 +22,11 @@ class _Cost:
 
 
 @dataclasses.dataclass
-class _Solver:
-    memory_bound: bool
-
-
-@dataclasses.dataclass
 class _Plan:
     cost: _Cost
-    solver: _Solver
 
 
-def _synthetic(saves, extra, base_mem, budget, unbound_below=None):
+def _synthetic(saves, extra, base_mem, budget):
     """An ``evaluate`` pricing policy p of class k at ``extra[k][p]`` seconds and ``base_mem -
     saves[k][p]`` bytes; ``None`` over ``budget``. Records what it was asked."""
     asked = []
@@ -43,8 +37,7 @@ def _synthetic(saves, extra, base_mem, budget, unbound_below=None):
         if mem > budget:
             return None
         step = 1.0 + sum(extra[k][p] for k, p in choices.items())
-        bound = unbound_below is None or mem > unbound_below
-        return _Plan(_Cost(step), _Solver(bound))
+        return _Plan(_Cost(step))
     return evaluate, asked
 
 
@@ -69,7 +62,7 @@ def test_search_recomputes_with_memory_to_spare_where_that_is_priced_faster():
     # residuals cost more HBM traffic than recomputing them inside the backward's kernels): the
     # search does not stop at no recomputation because it fits.
     extra = {**EXTRA, "narrow": {**EXTRA["narrow"], "dots_all": -0.004}}
-    evaluate, asked = _synthetic(SAVES, extra, base_mem=5, budget=7, unbound_below=6)
+    evaluate, asked = _synthetic(SAVES, extra, base_mem=5, budget=7)
     choices, plan, _ = recompute.search(evaluate, _sites("wide", "narrow"))
     assert choices == {"wide": "none", "narrow": "dots_all"} and plan.cost.step_s == pytest.approx(0.996)
     assert len(asked) == 16            # every assignment of the two classes
