@@ -213,9 +213,10 @@ def test_auto_offloads_the_wide_class_where_the_host_link_beats_recomputing():
         assert auto.cost.memory_bytes <= shardplan.parse_bytes("3GiB")
     assert c2c.cost.step_s == pytest.approx(c2c.cost.compute_s + c2c.cost.comm_s + c2c.cost.offload_s)
     offload = shardplan.plan(step, state, batch, mesh=_with_host_link(50e9), remat="offload", memory_budget="3GiB", **KW)
+    fast = shardplan.plan(step, state, batch, mesh=_with_host_link(450e9), remat="offload", memory_budget="3GiB", **KW)
     # The same residuals over a link 9x slower: 9x the seconds, all of them in the step.
-    assert offload.cost.offload_bytes == pytest.approx(c2c.cost.offload_bytes)
-    assert offload.cost.offload_s == pytest.approx(9 * c2c.cost.offload_s, rel=1e-6)
+    assert offload.cost.offload_bytes == pytest.approx(fast.cost.offload_bytes) and fast.cost.offload_s > 0
+    assert offload.cost.offload_s == pytest.approx(9 * fast.cost.offload_s, rel=1e-6)
     assert offload.cost.step_s == pytest.approx(offload.cost.compute_s + offload.cost.comm_s + offload.cost.offload_s)
     full = shardplan.plan(step, state, batch, mesh=_with_host_link(450e9), remat="full", memory_budget="3GiB", **KW)
     assert c2c.cost.step_s < full.cost.step_s
