@@ -17,25 +17,19 @@ import gzip
 import json
 import os
 import re
+import sys
+
+if not __package__:   # run as a script from a checkout: import the checkout's shardplan
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shardplan.hlo import _computations      # the audit's reading of compiled HLO text
 
 _CUBLAS = re.compile(r"nvjet|sm90_|sm80_|cutlass|xmma|cublas|gemv")
 
 
-def _computations(text: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    cur = None
-    for line in text.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m and not line.startswith(" "):
-            cur = comps.setdefault(m.group(1), [])
-        elif cur is not None and line.startswith("  "):
-            cur.append(line)
-    return comps
-
-
 def split(row: dict, text: str) -> dict[str, float]:
     """Milliseconds per step by kind of kernel."""
-    comps = _computations(text)
+    comps, _ = _computations(text)
     fusions = {}
     for lines in comps.values():
         for line in lines:

@@ -49,7 +49,6 @@ USER = "user"       # the class's own jax.checkpoint is kept
 OFFLOADING = frozenset({"offload"})       # policies that need host memory apart from the device's
 
 
-
 class RecomputeError(ShardplanError, ValueError):
     """A recomputation setting that cannot apply: the message names it and what works."""
 

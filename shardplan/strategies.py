@@ -63,6 +63,7 @@ class Enumerator:
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
+        self._untrafficked: list[np.ndarray] = []     # per node of _full, its cost less the ILP's HBM traffic
         self._ends: tuple | None = None          # build()'s node of each tensor, edge and dot operand
         # Tables priced for some options of their two nodes (:meth:`build` with ``allowed``),
         # by (edge or dot and side, options of one node, of the other): a search by mesh axes
@@ -458,7 +459,7 @@ class Enumerator:
         base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 
         nodes: list[Node] = []
-        self._untrafficked = []      # per node, its cost less the ILP's HBM traffic
+        self._untrafficked = []
         node_of_group: dict[int, int] = {}
         spec_of: dict[int, list[Spec]] = {}
         for root, members in self.groups.items():
