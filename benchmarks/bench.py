@@ -48,7 +48,9 @@ from shardplan.models.train import reference  # noqa: E402
 from shardplan import targets  # noqa: E402
 from shardplan.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
 from shardplan.pipeline_search import with_stage_axis  # noqa: E402
-from shardplan.audit import compiled_memory, price_collectives  # noqa: E402
+from shardplan import footprint  # noqa: E402
+from shardplan.audit import price_collectives  # noqa: E402
+from shardplan.footprint import compiled_memory  # noqa: E402
 from shardplan.fit import compile_oom_bytes  # noqa: E402
 from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
 from shardplan.hlo import collectives, dot_flops, hbm_bytes  # noqa: E402
@@ -151,6 +153,11 @@ class Row:
         return sum(self.comm_ms_by_kind.values())
 
 
+def _platform(jax_mesh) -> str:
+    """The platform a mesh's devices compile for (a deviceless GPU or TPU target's too)."""
+    return jax_mesh.devices.flat[0].platform
+
+
 def price_compiled(compiled, mesh_spec, jax_mesh) -> dict:
     """The compiled program's step time priced on ``mesh_spec``, with its parts."""
     model = CostModel(mesh_spec)
@@ -230,7 +237,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
                 try:
                     with context, context_parallel(context_config(kind), jax_mesh):
                         lowered = jitted.lower(state, batch)
-                    figures = price_compiled(lowered.compile(), mesh_spec, jax_mesh)
+                    compiled = footprint.compile(lowered, platform=_platform(jax_mesh))
+                    figures = price_compiled(compiled, mesh_spec, jax_mesh)
                     compiled_baselines[kind] = (figures, (jitted, sh, rules), flat)
                 except Exception as e:       # a baseline XLA cannot compile: say so, keep going
                     used = compile_oom_bytes(e)
@@ -397,7 +405,8 @@ def _megatron_3d_one(cell: Cell, ref, state, batch, staged, stages: int, micro: 
     try:
         with pipelined(config, mesh), rules:
             lowered = jitted.lower(state, batch)
-        row = Row(cell.id, label, **price_compiled(lowered.compile(), staged, mesh))
+        compiled = footprint.compile(lowered, platform=_platform(mesh))
+        row = Row(cell.id, label, **price_compiled(compiled, staged, mesh))
     except Exception as e:       # noqa: BLE001 - a pipeline XLA cannot compile: say so, try the next
         used = compile_oom_bytes(e)
         if used:

@@ -125,7 +125,7 @@ def part_model(args) -> dict:
     import jax
     import numpy as np
     import shardplan
-    from shardplan.audit import compiled_host_memory, compiled_memory
+    from shardplan.footprint import compiled_host_memory, compiled_memory
     from shardplan.models.train import MODEL_CONFIGS, reference
     from shardplan import targets
     name, batch, *fields = args.model.split(":")

@@ -14,7 +14,7 @@ from typing import Any, overload
 import jax
 
 from shardplan.apply import constrained_function
-from shardplan import sequence
+from shardplan import footprint, sequence
 from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.walk import build_graph
@@ -121,15 +121,17 @@ class _Compiled:
             out.append(x)
         return out
 
-    def executable(self, leaves: list):
+    def executable(self, leaves: list, measured: bool = False):
         """The compiled step, compiled on the first call with a status line (XLA's compile of a
         large step takes a while: it is the last stage a user waits for). ``leaves`` may be
-        arrays or ``jax.ShapeDtypeStruct``."""
+        arrays or ``jax.ShapeDtypeStruct``. ``measured``: the compiled-budget loop reads its
+        memory (:func:`shardplan.footprint.compile`)."""
         if self._executable is None:
             with Status() as line:
                 line.say("compiling the planned step")
                 start = time.perf_counter()
-                self._executable = self.jitted.lower(*leaves).compile()
+                platform = self.mesh.devices.flat[0].platform if measured else "not measured"
+                self._executable = footprint.compile(self.jitted.lower(*leaves), platform=platform)
                 line.done(f"compiled in {time.perf_counter() - start:.1f} s")
         return self._executable
 
@@ -248,7 +250,7 @@ class AutoFunction:
             c = made_compiled(made)
             abstract = [abstract_leaf(x) for x in c.traced.flat_args(self.call, args, kwargs)]
             if target == "here":
-                return c, c.executable(abstract)
+                return c, c.executable(abstract, measured=True)
             c.compiled_for[target] = _compile_for_target(c, c.plan.mesh_spec or self.mesh_spec, target, abstract,
                                                          self.jit_kwargs)
             return c, c.compiled_for[target][0]
@@ -359,7 +361,7 @@ def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: lis
     other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
     with Status() as line:
         line.say(f"compiling the planned step for {compiler}")
-        compiled = other.jitted.lower(*abstract).compile(compiler_options=options)
+        compiled = footprint.compile(other.jitted.lower(*abstract), options, platform=target)
         line.done(f"compiled for {compiler}")
     return compiled, mesh, compiler
 

@@ -5,8 +5,8 @@
 
 The compiled side is read from the HLO text (:mod:`shardplan.hlo`): every collective with its
 bytes per device, the mesh axes its replica groups span and its trip count, priced on the plan's
-mesh with the same formulas as the prediction. Memory is ``memory_analysis`` argument + output +
-temp - alias per device.
+mesh with the same formulas as the prediction. Memory is argument + output + temp - alias per
+device (:mod:`shardplan.footprint`: on a TPU, temp is the heap libtpu's buffer assignment lays out).
 
 Compiling on CPU (fake devices) differs from a GPU or TPU compile in known ways, which the audit
 names in ``notes`` rather than hiding: the CPU backend emits a reduce-scatter as an all-reduce
@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel
+from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp  # noqa: F401 - re-exported
 from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.mesh import MeshSpec
 from shardplan.sizes import format_bytes
@@ -118,28 +119,11 @@ class Audit:
         return "\n".join(lines)
 
 
-def compiled_memory(compiled) -> float:
-    """Bytes per device a compiled program holds: argument + output + temp - alias, or the
-    compiler's own peak where it reports a larger one (the TPU compiler reports no temporaries
-    for many programs, only their peak)."""
-    m = compiled.memory_analysis()
-    total = float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-    return max(total, float(getattr(m, "peak_memory_in_bytes", 0) or 0))
-
-
-def compiled_host_memory(compiled) -> float:
-    """Bytes per device a compiled program holds in host memory (offloaded residuals)."""
-    m = compiled.memory_analysis()
-    return float(sum(getattr(m, f"host_{k}_size_in_bytes", 0) or 0 for k in ("argument", "output", "temp"))
-                 - (getattr(m, "host_alias_size_in_bytes", 0) or 0))
-
-
 def _heap_note(cost, compiled, heap_overhead: float) -> str:
     """What the compiled heap says of ``device.heap_overhead`` (the allowance on live temporaries)."""
-    m = compiled.memory_analysis()
     args = sum(cost.memory_bytes_by_role.values())
     live = max(cost.memory_bytes - args, 0.0) / (1.0 + heap_overhead)
-    heap = float(m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    heap = compiled_temp(compiled)
     implied = f"device.heap_overhead = {heap / live - 1.0:.2f} would match" if live > 0 else "no temporaries"
     return (f"memory: temporaries predicted live {format_bytes(live)} + {heap_overhead:.0%} heap overhead; "
             f"compiled heap {format_bytes(heap)} ({implied})")

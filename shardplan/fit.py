@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan.audit import compiled_memory
+from shardplan.footprint import compiled_memory
 from shardplan.errors import InfeasibleBudgetError
 from shardplan.sizes import format_bytes
 

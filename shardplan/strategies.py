@@ -484,11 +484,12 @@ class Enumerator:
                 if specs is None:
                     specs = specs_of_classes[classes] = [tuple(o.get(c, ()) for c in classes) for o in options]
                 spec_of[t] = specs
-                key = (classes, tt.shape, tt.dtype.itemsize)
+                # libtpu stores a float32 tensor read only by bfloat16-pass dots as its rounding.
+                itemsize = 2 if t in self.narrow and t not in always else tt.dtype.itemsize
+                key = (classes, tt.shape, itemsize)
                 per_dev = bytes_of.get(key)
                 if per_dev is None:
-                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, tt.dtype.itemsize, s)
-                                                        for s in specs])
+                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, itemsize, s) for s in specs])
                 if t in self.fed:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
                 if t in g.shifts:
