@@ -183,23 +183,25 @@ class CostModel:
             n *= math.ceil(size / self.shards(axes)) if axes else size
         return float(n)
 
-    def memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
+    def memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec,
+                     minor: tuple[int, ...] | None = None) -> float:
         """Bytes one device's memory holds for its shard: :meth:`per_device_bytes`, laid out in
-        tiles on a TPU (:mod:`shardplan.layout`). Collectives move the unpadded bytes."""
-        key = ("bytes", tuple(shape), itemsize, spec)
+        tiles on a TPU (:mod:`shardplan.layout`; ``minor``: the dimensions tiled, where libtpu
+        does not choose, :func:`shardplan.layout.minor_dims`). Collectives move the unpadded bytes."""
+        key = ("bytes", tuple(shape), itemsize, spec, minor)
         try:
             n = self._memo.get(key)
         except TypeError:            # a spec given as lists: not kept
-            return self._memory_bytes(shape, itemsize, spec)
+            return self._memory_bytes(shape, itemsize, spec, minor)
         if n is None:
-            n = self._memo[key] = self._memory_bytes(shape, itemsize, spec)
+            n = self._memo[key] = self._memory_bytes(shape, itemsize, spec, minor)
         return n
 
-    def _memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
+    def _memory_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec, minor=None) -> float:
         if not self.tiled:
             return self.per_device_bytes(shape, itemsize, spec)
         local = [math.ceil(size / self.shards(axes)) if axes else size for size, axes in zip(shape, spec)]
-        return float(tpu_bytes(local, itemsize))
+        return float(tpu_bytes(local, itemsize, minor))
 
     # -- collectives --------------------------------------------------------------------------
     def _levels(self, axes: Sequence[str]) -> list[tuple[int, float, float]]:

@@ -39,8 +39,10 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def tpu_bytes(shape: Sequence[int], itemsize: int) -> int:
-    """Bytes of an array of ``shape`` and ``itemsize`` in TPU memory, padded to its tiles."""
+def tpu_bytes(shape: Sequence[int], itemsize: int, minor: Sequence[int] | None = None) -> int:
+    """Bytes of an array of ``shape`` and ``itemsize`` in TPU memory, padded to its tiles;
+    ``minor``: the dimensions its two minor (tiled) dimensions are chosen from (:func:`minor_dims`),
+    where libtpu does not choose among all of them."""
     shape = tuple(int(d) for d in shape)
     if any(d == 0 for d in shape):
         return 0
@@ -52,14 +54,17 @@ def tpu_bytes(shape: Sequence[int], itemsize: int) -> int:
         tile = min(_VECTOR_TILE, max(LANES * pack, _pow2_at_least(n)))
         return max(_round_up(n, tile) * itemsize, MIN_BYTES)
     best = None
-    for minor in range(len(shape)):
-        for second in range(len(shape)):
-            if second == minor:
+    among = [d for d in (minor if minor is not None else range(len(shape))) if d < len(shape)]
+    if len(among) < 2:
+        among = list(range(len(shape)))
+    for lanes in among:
+        for second in among:
+            if second == lanes:
                 continue
             rows = shape[second]
             tile_rows = min(MAX_ROWS, max(pack, _pow2_at_least(rows)))
-            rest = math.prod(d for k, d in enumerate(shape) if k not in (minor, second))
-            n = rest * _round_up(rows, tile_rows) * _round_up(shape[minor], LANES) * itemsize
+            rest = math.prod(d for k, d in enumerate(shape) if k not in (lanes, second))
+            n = rest * _round_up(rows, tile_rows) * _round_up(shape[lanes], LANES) * itemsize
             best = n if best is None else min(best, n)
     return max(best, MIN_BYTES)
 
@@ -67,3 +72,31 @@ def tpu_bytes(shape: Sequence[int], itemsize: int) -> int:
 def tiled(device_name: str) -> bool:
     """Whether arrays on this device are laid out in TPU tiles (every TPU generation is)."""
     return device_name.strip().upper().startswith("TPU")
+
+
+def minor_dims(graph) -> dict[int, tuple[int, ...]]:
+    """Per tensor, the dimensions libtpu lays out minor (tiled) where it does not pick the least
+    padded two: an operand or result of a batched matmul keeps its batch dimensions major and
+    tiles two of its others (the matmul's rows, columns or contraction), and a layer scan stacks
+    it so (its stacking dimension major). On the llama-tiny cell (256 chips, data parallel)
+    attention's scores ``f32[256,4,32,32]`` take 16 MiB a device, not 4, and the stacked heads
+    ``bf16[2,256,32,4,16]`` 8 MiB, not 2 (their 32 positions as lanes): benchmarks/RESULTS.md,
+    session 22. A matmul with no batch dimension, and a convolution, lay out freely."""
+    out: dict[int, tuple[int, ...]] = {}
+    for dot in graph.dots:
+        if dot.fixed or dot.sizes is not None:
+            continue
+        batch = [k for k, (l, r, o) in enumerate(dot.dims) if l is not None and r is not None and o is not None]
+        if not batch:
+            continue
+        for side, t in enumerate((dot.lhs, dot.rhs, dot.out)):
+            dims = tuple(sorted(d[side] for k, d in enumerate(dot.dims) if k not in batch and d[side] is not None))
+            if len(dims) >= 2:
+                out.setdefault(t, dims)
+    for t, dims in list(out.items()):
+        stack = graph.stacked_into.get(t)
+        while stack is not None and stack not in out:
+            dims = tuple(d + 1 for d in dims)
+            out[stack] = dims
+            stack = graph.stacked_into.get(stack)
+    return out

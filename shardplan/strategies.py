@@ -19,6 +19,7 @@ import numpy as np
 from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.bf16_pass import LAYOUT, read_as_bf16
+from shardplan.layout import minor_dims
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
 from shardplan.splitk import partials
@@ -60,6 +61,7 @@ class Enumerator:
         self._bytes_memo: dict[tuple, float] = {}
         self.combined = combined_reductions(graph)
         self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
+        self.minor = minor_dims(graph) if model.tiled else {}     # TPU tiles fixed by batched matmuls
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
@@ -486,10 +488,12 @@ class Enumerator:
                 spec_of[t] = specs
                 # libtpu stores a float32 tensor read only by bfloat16-pass dots as its rounding.
                 itemsize = 2 if t in self.narrow and t not in always else tt.dtype.itemsize
-                key = (classes, tt.shape, itemsize)
+                minor = self.minor.get(t)
+                key = (classes, tt.shape, itemsize, minor)
                 per_dev = bytes_of.get(key)
                 if per_dev is None:
-                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, itemsize, s) for s in specs])
+                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, itemsize, s, minor)
+                                                        for s in specs])
                 if t in self.fed:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
                 if t in g.shifts:

@@ -53,3 +53,44 @@ def test_tile_padding_matches_libtpu_on_random_shapes():
         compiled = jax.jit(lambda *xs: sum(x.astype(jnp.float32).sum() for x in xs)).lower(*args).compile()
         expected = sum(tpu_bytes(s, jnp.dtype(dtype).itemsize) for s in shapes)
         assert compiled.memory_analysis().argument_size_in_bytes == expected, (dtype, shapes)
+
+
+def _attention(q, k, v):
+    import jax
+    import jax.numpy as jnp
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest"), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+
+def test_a_batched_matmul_tiles_its_own_dimensions():
+    import jax
+    import jax.numpy as jnp
+    from shardplan.layout import minor_dims
+    from shardplan.rules import apply_rule
+    from shardplan.walk import build_graph
+    q = jax.ShapeDtypeStruct((256, 32, 4, 16), jnp.float32)
+    closed = jax.make_jaxpr(_attention)(q, q, q)
+    g = build_graph(closed, ["q", "k", "v"], apply_rule)
+    minor = minor_dims(g)
+    scores = [d.out for d in g.dots if g.tensors[d.out].shape == (256, 4, 32, 32)]
+    assert len(scores) == 1 and minor[scores[0]] == (2, 3)
+    assert minor.get(g.inputs[0]) == (1, 3)          # q: its positions and head dimension, not batch or heads
+    # Free, libtpu would lay the scores out with the batch as lanes (4 MiB); tiled as the matmul
+    # keeps them, the 32 keys are padded to 128 lanes.
+    assert tpu_bytes((256, 4, 32, 32), 4) == 4 * 2**20
+    assert tpu_bytes((256, 4, 32, 32), 4, minor=(2, 3)) == 16 * 2**20
+
+
+@needs_tpu
+def test_libtpu_holds_a_batched_matmuls_result_in_its_own_tiles():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from shardplan import footprint
+    topo = targets._topology("tpu", "", "v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",))
+    q = jax.ShapeDtypeStruct((256, 32, 4, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    compiled = footprint.compile(jax.jit(_attention).lower(q, q, q), targets.HBM_ONLY_OPTIONS["tpu"], platform="tpu")
+    heap = footprint.compiled_temp(compiled) - compiled.memory_analysis().output_size_in_bytes
+    # The scores and their softmax: two 16 MiB buffers, not two of 4 MiB.
+    assert heap == pytest.approx(2 * tpu_bytes((256, 4, 32, 32), 4, minor=(2, 3)), rel=0.02)
