@@ -37,8 +37,8 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
     Without recomputation, XLA copied 23.1 GiB of zeros into gpt2-small's (batch 16) stacked
     buffers, and copy kernels took 15.5 ms of its 145 ms step (3.5 ms under ``dots``); llama3-8b
     (4 layers): 8.2 GiB, 60.8 ms of 291 (4.2 under ``dots``). That is much of why recomputing
-    measured faster. A stacked slice no op in the body makes (an ``iota``, say) is priced as a
-    loop input, copied in.
+    measured faster. Each slice's maker is the walk's (:attr:`~shardplan.graph.Graph.made_by`):
+    a slice with none is the loop's input.
     """
     traffic: dict[int, int] = {}
     for e in graph.edges:
@@ -60,14 +60,14 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
             traffic[t] = 1 + max(1, _kernel_reads(graph, t, reads))
     traffic = {t: n for t, n in traffic.items() if t not in graph.fused}
     dot_outs = {d.out for d in graph.dots}
-    made = {o: (prim, t) for t, readers in graph.readers.items() for prim, outs in readers for o in outs}
+    made = graph.made_by
     for body, stacked in graph.stacked_into.items():
         if graph.tensors[stacked].host:                 # offloaded: priced as host copies
             continue
         traffic[stacked] = traffic.get(stacked, 0) + 2  # the zero fill: a buffer of zeros copied in
         source = body
-        while source in made and made[source][0] in _NO_OPS:
-            source = made[source][1]
+        while source in made and made[source][0] in _NO_OPS and made[source][1]:
+            source = made[source][1][0]
         if source in dot_outs or source not in made:
             traffic[body] = traffic.get(body, 0) + 2    # a matmul's result or the loop's input: copied in
     return {t: n for t, n in traffic.items() if n}

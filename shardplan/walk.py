@@ -150,6 +150,8 @@ class _Walker:
             if prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i, here)
                 g.prefix = prefix
+                made = (prim, [x for x in ins if x is not None])
+                g.made_by.update((t, made) for t in outs if t is not None)
             else:
                 outs = self._fresh(mult, eqn, here)
                 self.rules(g, eqn, ins, outs, mult)
@@ -161,7 +163,7 @@ class _Walker:
                     # nothing reads the operand later; a later reader moves its last use on again).
                     level.last_use[ins[0]] = i - 1
                 for t in outs:
-                    level.made_by[t] = (prim, [x for x in ins if x is not None])
+                    level.made_by[t] = g.made_by[t] = (prim, [x for x in ins if x is not None])
             for t in ins:
                 if t is not None:
                     g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))

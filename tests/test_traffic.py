@@ -63,12 +63,12 @@ def test_a_stacked_residual_costs_a_zero_fill_and_a_matmuls_result_a_copy(policy
     assert residuals, "the scan stacks no (layers, batch, width) residual"
     for body, stacked in residuals.items():
         assert added.get(stacked) == 2, (g.tensors[stacked].name, added.get(stacked))
-    made = {o: (prim, t) for t, rs in g.readers.items() for prim, outs in rs for o in outs}
+    made = g.made_by
     kinds = []
     for body in residuals:
         source = body
         while source in made and made[source][0] == "reduce_precision":     # the checkpoint's
-            source = made[source][1]
+            source = made[source][1][0]
         kind = "matmul" if source in dots else "input" if source not in made else made[source][0]
         kinds.append((kind, added.get(body, 0)))
     # The carry (each layer's input) is kept by every policy; without one the forward keeps the
@@ -79,6 +79,21 @@ def test_a_stacked_residual_costs_a_zero_fill_and_a_matmuls_result_a_copy(policy
     ilp = hbm_traffic(g)
     assert all(ilp.get(stacked, 0) <= 2 for stacked in residuals.values())
     assert all(v == 2 for v in added.values())
+
+
+def test_a_stacked_slice_an_op_without_operands_makes_is_not_the_loops_input():
+    """A slice made in the body by an op with no operands (an iota) is written in place, like an
+    elementwise one; the loop's own input (the carry) is copied in."""
+    def f(x):
+        def body(h, _):
+            return h * 2.0, jax.lax.iota(jnp.float32, D)
+        return jax.lax.scan(body, x, None, length=L)
+
+    g = _graph(f, jax.ShapeDtypeStruct((D,), jnp.float32))
+    (body, stacked), = [(b, s) for b, s in g.stacked_into.items()]
+    assert g.made_by[body][0] == "iota"
+    added = _stacking(g)
+    assert added.get(stacked) == 2 and added.get(body, 0) == 0
 
 
 @pytest.mark.parametrize("compiler,fused_away", [("gpu", True), ("cpu", False)])
