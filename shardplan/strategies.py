@@ -23,18 +23,11 @@ from shardplan.layout import minor_dims
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
 from shardplan.splitk import partials
+from shardplan.tables import dot_table, edge_table
 from shardplan.traffic import hbm_traffic
-from shardplan.xla_bugs import MISCOMPILED_S, batch_dims_out, miscompiled_reduction
 
 
 _LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
-
-
-def _distinct(values: list) -> tuple[list, np.ndarray]:
-    """The distinct values in first-seen order, and each value's index among them."""
-    seen: dict = {}
-    index = np.array([seen.setdefault(v, len(seen)) for v in values], dtype=np.intp)
-    return list(seen), index
 
 
 def _assignments(choices_per_axis: list[list[int]]):
@@ -307,23 +300,6 @@ class Enumerator:
         """Collectives issued ``mult`` times a step: their seconds per step."""
         return [(c, mult * sec) for c, sec in items]
 
-    @staticmethod
-    def _cheaper_in_place(moved: np.ndarray, made: list[list], price: Callable) -> None:
-        """``moved[i, j]`` (the operand resharded) replaced by the price of running the op in
-        place, ``made[i][j]`` (a spec, or a reduction row; ``None`` where it cannot), where that
-        is cheaper. ``price(distinct made)`` gives ``[distinct made, columns]`` seconds."""
-        rows, index = _distinct([m for row in made for m in row if m is not None])
-        if not rows:
-            return
-        after = price(rows)
-        flat = iter(index)
-        for i, row in enumerate(made):
-            for j, m in enumerate(row):
-                if m is not None:
-                    k = next(flat)
-                    if moved[i, j] > 0:
-                        moved[i, j] = min(moved[i, j], after[k, j])
-
     def shift_comms(self, tid: int, spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of a rolled tensor (:attr:`Graph.shifts`, the pipeline's stage shift)
         of this spec, each with its seconds per step: where the rolled dimension (0) is split, each
@@ -577,49 +553,6 @@ class Enumerator:
             else:
                 edges.add(a, b, table)
 
-        def price_edge(e) -> np.ndarray:
-            if e.required is not None and e.passthrough is None and e.rewrite is None:
-                # The operand is resharded to what the op requires: the price depends only on
-                # the operand's shape and the two specs, shared by every edge that moves alike.
-                src = g.tensors[e.src]
-                haves, h_index = _distinct(spec_of[e.src])
-                needs, n_index = _distinct([e.required(d) for d in spec_of[e.dst]])
-                cells = self.m.reshard_table(src.shape, self.src_itemsize(e), haves, needs)
-                table = e.mult * cells[np.ix_(h_index, n_index)]
-            elif e.required is not None:
-                # The operand moves, or the op runs on it in place and its result moves:
-                # whichever is cheaper, per pair of specs.
-                src, out = g.tensors[e.src], g.tensors[e.dst]
-                haves, h_index = _distinct(spec_of[e.src])
-                dsts, d_index = _distinct(spec_of[e.dst])
-                needs, n_index = _distinct([e.required(d) for d in dsts])
-                moved = self.m.reshard_table(src.shape, self.src_itemsize(e), haves, needs)[:, n_index]
-                made = [[e.passthrough(have, d) for d in dsts] for have in haves]
-                self._cheaper_in_place(moved, made, lambda outs: self.m.reshard_table(
-                    out.shape, self.dst_itemsize(e), outs, dsts))
-                if e.rewrite is not None:
-                    rewritten = [[(r[1], r[2], None) if (r := e.rewrite(have, d)) else None for d in dsts]
-                                 for have in haves]
-                    self._cheaper_in_place(moved, rewritten, lambda rows: self.m.reduce_table(
-                        out.shape, self.dst_itemsize(e), rows, dsts))
-                table = e.mult * moved[np.ix_(h_index, d_index)]
-            elif not e.primitive.startswith("scatter"):
-                # A result made as ``produced`` (partial over some axes) and reduced to the spec
-                # its group gives it.
-                haves, h_index = _distinct(spec_of[e.src])
-                dsts, d_index = _distinct(spec_of[e.dst])
-                made, m_index = _distinct([(p, tuple(part), REDUCE_OP) for p, part in map(e.produced, haves)])
-                dst = g.tensors[e.dst]
-                cells = self.m.reduce_table(dst.shape, self.dst_itemsize(e), made, dsts,
-                                            self.combined.get(e.dst, 1))[m_index]
-                table = e.mult * cells[np.ix_(h_index, d_index)]
-            else:       # a scatter's partial sums (rare): priced cell by cell
-                haves, h_index = _distinct(spec_of[e.src])
-                dsts, d_index = _distinct(spec_of[e.dst])
-                cells = np.array([[self.edge_seconds(e, have, d) for d in dsts] for have in haves])
-                table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
-            return table
-
         def kept(key, a: int, b: int, price: Callable[[], np.ndarray]) -> np.ndarray:
             """``price()``, or the table priced before for these options of nodes ``a`` and ``b``."""
             if allowed[a] is None or allowed[b] is None:
@@ -630,26 +563,7 @@ class Enumerator:
             return self._tables[key]
 
         for i, (e, (a, b)) in enumerate(zip(g.edges, edge_nodes)):
-            add_table(a, b, kept(("edge", i), a, b, lambda e=e: price_edge(e)))
-
-        def price_dot(dot, role: str, tid: int, derived, groups) -> np.ndarray:
-            # The price depends on the dot option only through what it needs of this tensor
-            # (or, for the result, what it makes): priced once per distinct pair.
-            wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
-                                        else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
-            haves, h_index = _distinct(spec_of[tid])
-            t = g.tensors[tid]
-            shape, itemsize = t.shape, t.dtype.itemsize if role == "out" else self.moved_itemsize(dot, t)
-            if role == "out":
-                cells = self.m.reduce_table(shape, itemsize, wants, haves, self.combined.get(tid, 1))
-                for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
-                    if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
-                        for j, have in enumerate(haves):
-                            if miscompiled_reduction(dot, prod, grp, have):
-                                cells[i, j] += MISCOMPILED_S
-            else:
-                cells = self.m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
-            return dot.mult * cells[np.ix_(w_index, h_index)]
+            add_table(a, b, kept(("edge", i), a, b, lambda e=e: edge_table(self, e, spec_of)))
 
         for k, dot in enumerate(g.dots):
             node = node_of_dot[k]
@@ -659,5 +573,5 @@ class Enumerator:
             for role, tid, other in zip(("lhs", "rhs", "out"), (dot.lhs, dot.rhs, dot.out), dot_nodes[k]):
                 add_table(node, other, kept(("dot", k, role), node, other,
                                             lambda dot=dot, role=role, tid=tid, specs=specs:
-                                            price_dot(dot, role, tid, *specs())))
+                                            dot_table(self, dot, role, tid, spec_of, *specs())))
         return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)
