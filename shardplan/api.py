@@ -345,7 +345,9 @@ class AutoFunction:
     def fit_attempts(self) -> list:
         """The compiled-budget loop's attempts for the last traced signature
         (:class:`shardplan.fit.Attempt`: budget planned under, predicted and compiled bytes per
-        device); empty where the step was not compiled while planned."""
+        device); empty where the step was not compiled while planned. On a TPU the compiled bytes
+        are the HBM of the program as it runs (libtpu's VMEM placement on), which on small programs
+        is well under what :meth:`audit_for` reads (VMEM placement off: HBM alone)."""
         if self._last is None:
             raise RuntimeError("no plan yet: call the function, or .make_plan()/.lower() it, first")
         return list(self._last.fit_attempts)

@@ -229,6 +229,12 @@ def _say_verified(attempts, mesh, memory_budget, target: str) -> None:
     print(f"verified on {compiler}: the compiled program needs {format_bytes(attempts[-1].compiled_bytes)} per "
           f"device, within the budget {format_bytes(budget)}"
           + (f" (planned again {len(attempts) - 1} time(s))" if len(attempts) > 1 else ""), file=sys.stderr)
+    if target == "tpu":
+        # The program that runs keeps libtpu's VMEM placement: its HBM is what is held to the budget.
+        # `shardplan audit --target tpu` compiles with VMEM placement off (what the memory model
+        # predicts), so its compiled figure is larger on small programs.
+        print("(TPU: HBM of the program as it runs, VMEM placement on; the audit counts memory with it off)",
+              file=sys.stderr)
 
 
 def _cmd_audit(args) -> int:

@@ -62,6 +62,8 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
     compiled_before: dict[Any, float] = {}
     planned_under = budget
     leanest_tried = False
+    limit = budget          # the budget, or the device's memory where a compiler refused less
+    compiles = 0
     for _ in range(tries):
         try:
             made = plan_for(planned_under)
@@ -74,11 +76,12 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
                 leanest_tried, planned_under = True, int(least * _LEANEST_SLACK)
                 continue
             raise _too_big(budget, attempts, f"no plan fits the tightened budget {format_bytes(planned_under)} "
-                                             f"({least and format_bytes(least)} predicted at least)") from e
+                                             f"({least and format_bytes(least)} predicted at least)", limit) from e
         key = identity(made) if identity is not None else None
         if key is not None and key in compiled_before:
             used = compiled_before[key]            # the same plan again: over budget, as before
         else:
+            compiles += 1
             try:
                 result, compiled = compile_plan(made)
                 used = compiled_memory(compiled)
@@ -87,6 +90,12 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
                 if used is None:
                     raise
                 result = None           # libtpu refuses to compile a program over the chip's memory
+                held = compile_oom_limit(e)
+                if held is not None and held < limit:
+                    limit = int(held)   # a budget over the device's memory: the device's is the one to meet
+                    if say is not None:
+                        say(f"the device holds {format_bytes(held)}, under the budget {format_bytes(budget)}: "
+                            f"planning for {format_bytes(held)}")
             used = _largest_everywhere(used)
             if key is not None:
                 compiled_before[key] = used
@@ -95,16 +104,31 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
             return made, result, attempts
         # From what the plan was predicted to need (at most the budget it was planned under): a plan
         # predicted well under its budget would otherwise come back unchanged.
-        tighter = int(min(planned_under, attempts[-1].predicted_bytes) * budget / used * _MARGIN)
+        tighter = int(min(planned_under, attempts[-1].predicted_bytes) * min(limit, used) / used * _MARGIN)
         if say is not None:
-            say(f"the compiled program needs {format_bytes(used)} per device, over the budget "
-                f"{format_bytes(budget)}: planning again under {format_bytes(tighter)}")
+            say(f"the compiled program needs {format_bytes(used)} per device, over "
+                f"{'the budget ' + format_bytes(budget) if limit == budget else 'the device memory ' + format_bytes(limit)}"
+                f": planning again under {format_bytes(tighter)}")
         planned_under = tighter
-    raise _too_big(budget, attempts, f"{tries} plans compiled, none fits")
+    raise _too_big(budget, attempts, f"{compiles} plan{'s' * (compiles != 1)} compiled, none fits", limit)
 
 
 _OOM = re.compile(r"Ran out of memory (?:in memory space \w+\. Used |on HBM, the total memory required for HLO "
                   r"temporaries \()([0-9.]+)([KMGT]?)")
+
+
+_HELD = re.compile(r"(?:exceeds available HBM \(| of )([0-9.]+)([KMGT]?)(?:\)| hbm)")
+
+
+def compile_oom_limit(error: BaseException) -> float | None:
+    """The device memory a compiler that refused the program as too big held it against
+    (XLA TPU: "... exceeds available HBM (15.75G)", "Used 15.89G of 15.75G hbm"), else ``None``."""
+    if compile_oom_bytes(error) is None:
+        return None
+    found = _HELD.search(str(error))
+    if found is None:
+        return None
+    return float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")
 
 
 def compile_oom_bytes(error: BaseException) -> float | None:
@@ -117,12 +141,19 @@ def compile_oom_bytes(error: BaseException) -> float | None:
     return float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")
 
 
-def _too_big(budget: int, attempts: list[Attempt], why: str) -> InfeasibleBudgetError:
+def _too_big(budget: int, attempts: list[Attempt], why: str, limit: int | None = None) -> InfeasibleBudgetError:
     least = min(a.compiled_bytes for a in attempts)
     tried = "; ".join(f"planned under {format_bytes(a.budget_bytes)}: predicted {format_bytes(a.predicted_bytes)}, "
                       f"compiled {format_bytes(a.compiled_bytes)}" for a in attempts)
+    if limit is not None and limit < budget:
+        # The compiler refused the programs as over the device's memory, below the budget asked for.
+        advice = (f"The least a compiled plan needed is {format_bytes(least)}, over the device's "
+                  f"{format_bytes(limit)} (the compiler refuses programs over that, whatever the budget): "
+                  f"use more devices, recompute activations or shrink the batch.")
+    else:
+        advice = (f"The least a compiled plan needed is {format_bytes(least)}: set memory_budget to at least that, "
+                  f"use more devices, recompute activations or shrink the batch.")
     return InfeasibleBudgetError(
         f"no plan fits memory_budget={format_bytes(budget)} per device on the compiled program ({why}). "
-        f"The least a compiled plan needed is {format_bytes(least)}: set memory_budget to at least that, "
-        f"use more devices, recompute activations or shrink the batch. Tried: {tried}",
+        f"{advice} Tried: {tried}",
         budget_bytes=budget, min_feasible_bytes=int(np.ceil(least)), largest_tensors=[])

@@ -45,7 +45,10 @@ def compile(lowered, options: dict | None = None, *, platform: str):
         compiled = lowered.compile(compiler_options={**(options or {}), "xla_dump_to": folder})
         heap = heap_bytes(folder)
     if heap is not None:
-        _HEAPS[compiled] = heap
+        try:
+            _HEAPS[compiled] = heap
+        except TypeError:                   # not weakly referable: read as elsewhere
+            pass
     return compiled
 
 
@@ -66,7 +69,10 @@ def compiled_memory(compiled) -> float:
     many programs, only their peak)."""
     m = compiled.memory_analysis()
     kept = float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
-    heap = _HEAPS.get(compiled)
+    try:
+        heap = _HEAPS.get(compiled)
+    except TypeError:                       # not weakly referable (a stand-in): never recorded
+        heap = None
     if heap is not None:
         return kept + heap
     return max(kept + float(m.temp_size_in_bytes), float(getattr(m, "peak_memory_in_bytes", 0) or 0))

@@ -79,6 +79,34 @@ def test_the_loop_plans_again_under_a_tighter_budget_until_the_program_fits():
         pytest.approx(22.91 * 2**30)
 
 
+def test_a_budget_over_the_devices_memory_is_held_to_the_device_the_compiler_names():
+    # libtpu refuses a program over the chip's memory whatever the budget; the loop then plans
+    # for the chip's memory (it used to scale the budget up by budget / refused bytes).
+    from types import SimpleNamespace
+
+    from shardplan.fit import compile_oom_limit, fit_compiled
+
+    def program(nbytes):
+        return SimpleNamespace(memory_analysis=lambda: SimpleNamespace(
+            argument_size_in_bytes=nbytes, output_size_in_bytes=0, temp_size_in_bytes=0, alias_size_in_bytes=0))
+
+    def refusing(p):
+        if p > 900:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                               f"temporaries ({p * 1.28 / 1024:.2f}K) exceeds available HBM (1.00K).")
+        return p, program(p)
+    said = []
+    made, _, attempts = fit_compiled(lambda b: min(0.97 * b, 1200.0), refusing, 4000, lambda p: p, say=said.append)
+    assert [a.budget_bytes for a in attempts] == [4000, int(1200 * 1024 / attempts[0].compiled_bytes * 0.99)]
+    assert made <= 900 and any("the device holds 1.00 KiB, under the budget" in s for s in said)
+    with pytest.raises(InfeasibleBudgetError, match=r"\(4 plans compiled, none fits\). The least a compiled plan "
+                                                    r"needed is [\d.]+ KiB, over the device's 1.00 KiB") as e:
+        fit_compiled(lambda b: 1100.0, refusing, 4000, lambda p: p)
+    assert "set memory_budget" not in str(e.value)
+    assert compile_oom_limit(RuntimeError("Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm")) == \
+        pytest.approx(15.75 * 2**30)
+
+
 def test_no_plan_that_compiles_under_the_budget_is_an_error_naming_the_least_that_compiled():
     budget = 7_100_000     # above the leanest prediction (6.9 MB), below what such plans compile to
     with pytest.raises(InfeasibleBudgetError, match=r"on the compiled program .*The least a compiled plan needed "
