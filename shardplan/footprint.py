@@ -7,8 +7,8 @@ device. On the GPU and CPU compilers that sum is what the buffer assignment allo
 
 libtpu's ``memory_analysis`` does not give that figure. Its ``temp_size_in_bytes`` exceeds the
 heap its own buffer assignment allocates (the ``preallocated-temp`` allocation of the default
-memory space): on a scanned, donated step it adds about the arguments' bytes again (gpt2-small
-on 256 v5e chips: 3.16 GiB reported against a 2.57 GiB heap). Its ``peak_memory_in_bytes`` is
+memory space) by amounts with no rule found: about the arguments' bytes on a scanned, donated toy
+step; 3.16 GiB reported against a 2.57 GiB heap for gpt2-small on 256 v5e chips. Its ``peak_memory_in_bytes`` is
 the live peak, under the heap where small buffers fragment it. What libtpu holds against the
 chip's HBM, in the error it raises when a program does not fit ("the total memory required
 for HLO temporaries (X)"), is argument + output - alias + the heap: checked on three programs at
