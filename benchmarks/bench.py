@@ -8,7 +8,7 @@ each baseline (:mod:`shardplan.benchmarks.baselines`) on fake devices of the cel
 at large sizes. Per plan it reports the predicted step time, the step time the compiled HLO
 implies priced on the cell's mesh (dot FLOPs over peak + HBM bytes of the top-level ops over
 bandwidth + every collective over its links, as :mod:`shardplan.audit` reads them), memory per
-device from ``memory_analysis``, collective count and bytes, and the planner's solve time; per
+device (argument + output + temp - alias; on a TPU, libtpu's heap: :mod:`shardplan.footprint`), collective count and bytes, and the planner's solve time; per
 cell the ratio planner / best baseline that fits the budget. Tiny cells also execute on 8 fake
 CPU devices and report the measured step time (labelled CPU).
 

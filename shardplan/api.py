@@ -121,17 +121,17 @@ class _Compiled:
             out.append(x)
         return out
 
-    def executable(self, leaves: list, measured: bool = False):
+    def executable(self, leaves: list):
         """The compiled step, compiled on the first call with a status line (XLA's compile of a
         large step takes a while: it is the last stage a user waits for). ``leaves`` may be
-        arrays or ``jax.ShapeDtypeStruct``. ``measured``: the compiled-budget loop reads its
-        memory (:func:`shardplan.footprint.compile`)."""
+        arrays or ``jax.ShapeDtypeStruct``. On a TPU its heap is read as it compiles
+        (:func:`shardplan.footprint.compile`): the compiled-budget loop and an audit hold it."""
         if self._executable is None:
             with Status() as line:
                 line.say("compiling the planned step")
                 start = time.perf_counter()
-                platform = self.mesh.devices.flat[0].platform if measured else "not measured"
-                self._executable = footprint.compile(self.jitted.lower(*leaves), platform=platform)
+                self._executable = footprint.compile(self.jitted.lower(*leaves),
+                                                     platform=self.mesh.devices.flat[0].platform)
                 line.done(f"compiled in {time.perf_counter() - start:.1f} s")
         return self._executable
 
@@ -250,7 +250,7 @@ class AutoFunction:
             c = made_compiled(made)
             abstract = [abstract_leaf(x) for x in c.traced.flat_args(self.call, args, kwargs)]
             if target == "here":
-                return c, c.executable(abstract, measured=True)
+                return c, c.executable(abstract)
             c.compiled_for[target] = _compile_for_target(c, c.plan.mesh_spec or self.mesh_spec, target, abstract,
                                                          self.jit_kwargs)
             return c, c.compiled_for[target][0]

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel
-from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp  # noqa: F401 - re-exported
+from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp
 from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.mesh import MeshSpec
 from shardplan.sizes import format_bytes
@@ -52,7 +52,7 @@ class Audit:
     collectives: tuple[Collective, ...]
     by_kind: tuple[AuditRow, ...]
     by_axis: tuple[AuditRow, ...]
-    memory: AuditRow                 # bytes per device: predicted peak vs memory_analysis
+    memory: AuditRow                 # bytes per device: predicted peak vs compiled (shardplan.footprint)
     dot_flops: dict[str, float]      # per device per step, by HLO dtype
     notes: tuple[str, ...]
     host: AuditRow | None = None     # bytes per device offloaded to host memory, where either side has any

@@ -2,7 +2,7 @@
 
 The planner's memory model is an estimate; XLA's buffer assignment is the truth. After compiling
 a plan for the hardware it runs on, :func:`fit_compiled` reads the program's bytes per device
-(``memory_analysis``: argument + output + temp - alias) and, where they exceed the budget,
+(argument + output + temp - alias, :func:`shardplan.footprint.compiled_memory`) and, where they exceed the budget,
 plans again under a budget tightened by the overshoot, until the program fits or no plan does.
 The error then names the least memory any compiled plan needed.
 """
@@ -80,6 +80,7 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
         key = identity(made) if identity is not None else None
         if key is not None and key in compiled_before:
             used = compiled_before[key]            # the same plan again: over budget, as before
+            result = None
         else:
             compiles += 1
             try:
@@ -145,11 +146,12 @@ def _too_big(budget: int, attempts: list[Attempt], why: str, limit: int | None =
     least = min(a.compiled_bytes for a in attempts)
     tried = "; ".join(f"planned under {format_bytes(a.budget_bytes)}: predicted {format_bytes(a.predicted_bytes)}, "
                       f"compiled {format_bytes(a.compiled_bytes)}" for a in attempts)
-    if limit is not None and limit < budget:
+    if (limit is not None and limit < budget) or least <= budget:
         # The compiler refused the programs as over the device's memory, below the budget asked for.
-        advice = (f"The least a compiled plan needed is {format_bytes(least)}, over the device's "
-                  f"{format_bytes(limit)} (the compiler refuses programs over that, whatever the budget): "
-                  f"use more devices, recompute activations or shrink the batch.")
+        held = f"the device's {format_bytes(limit)}" if limit is not None and limit < budget else "the device's memory"
+        advice = (f"The least a compiled plan needed is {format_bytes(least)}, over {held} (the compiler "
+                  f"refuses programs over that, whatever the budget): use more devices, recompute activations "
+                  f"or shrink the batch.")
     else:
         advice = (f"The least a compiled plan needed is {format_bytes(least)}: set memory_budget to at least that, "
                   f"use more devices, recompute activations or shrink the batch.")

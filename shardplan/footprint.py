@@ -13,7 +13,7 @@ the live peak, under the heap where small buffers fragment it. What libtpu holds
 chip's HBM, in the error it raises when a program does not fit ("the total memory required
 for HLO temporaries (X)"), is argument + output - alias + the heap: checked on three programs at
 the 15.75 GiB limit of a v5e, one of them with the ``memory_analysis`` sum at 18.1 GiB
-compiling fine (``tests/test_footprint.py``, RESULTS.md, session 22).
+compiling fine (two of them in ``tests/test_footprint.py``; RESULTS.md, session 22).
 
 So on a TPU, :func:`compile` reads the heap from the buffer assignment libtpu writes when asked
 to dump its compile (``xla_dump_to``, into a temporary folder it then removes), and
@@ -26,6 +26,7 @@ import glob
 import os
 import re
 import tempfile
+import warnings
 import weakref
 
 # libtpu's heap, per compiled program, where :func:`compile` read it.
@@ -44,7 +45,12 @@ def compile(lowered, options: dict | None = None, *, platform: str):
     with tempfile.TemporaryDirectory(prefix="shardplan-heap-") as folder:
         compiled = lowered.compile(compiler_options={**(options or {}), "xla_dump_to": folder})
         heap = heap_bytes(folder)
-    if heap is not None:
+    if heap is None:
+        # Nothing dumped: JAX's persistent compilation cache handed the program back uncompiled.
+        warnings.warn("shardplan: libtpu wrote no buffer assignment for this compile (a persistent "
+                      "compilation cache hit?); its memory is read from memory_analysis, which over-states a "
+                      "TPU program's heap", stacklevel=2)
+    else:
         try:
             _HEAPS[compiled] = heap
         except TypeError:                   # not weakly referable: read as elsewhere
@@ -54,7 +60,8 @@ def compile(lowered, options: dict | None = None, *, platform: str):
 
 def heap_bytes(folder: str) -> int | None:
     """The default memory space's heap in the buffer assignment dumped under ``folder`` (the
-    largest where several programs were dumped); None where there is none."""
+    largest where several programs were dumped: an upper bound on the step's own); None where
+    there is none."""
     heaps = []
     for path in glob.glob(os.path.join(folder, "*buffer-assignment.txt")):
         with open(path) as f:
@@ -65,8 +72,8 @@ def heap_bytes(folder: str) -> int | None:
 def compiled_memory(compiled) -> float:
     """Bytes per device a compiled program needs: argument + output + temp - alias, with temp
     libtpu's heap where :func:`compile` read it; elsewhere the compiler's own peak where it
-    reports a larger one (libtpu, compiled without :func:`compile`, reports no temporaries for
-    many programs, only their peak)."""
+    reports a larger one (libtpu with VMEM placement on, compiled without :func:`compile`,
+    reports no temporaries for small programs, only a peak)."""
     m = compiled.memory_analysis()
     kept = float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
     try:
@@ -79,7 +86,7 @@ def compiled_memory(compiled) -> float:
 
 
 def compiled_temp(compiled) -> float:
-    """The compiled heap: output + temp - alias (:func:`compiled_memory` less the arguments)."""
+    """What the program holds besides its arguments: :func:`compiled_memory` less them."""
     return compiled_memory(compiled) - float(compiled.memory_analysis().argument_size_in_bytes)
 
 

@@ -81,7 +81,8 @@ def minor_dims(graph) -> dict[int, tuple[int, ...]]:
     it so (its stacking dimension major). On the llama-tiny cell (256 chips, data parallel)
     attention's scores ``f32[256,4,32,32]`` take 16 MiB a device, not 4, and the stacked heads
     ``bf16[2,256,32,4,16]`` 8 MiB, not 2 (their 32 positions as lanes): benchmarks/RESULTS.md,
-    session 22. A matmul with no batch dimension, and a convolution, lay out freely."""
+    session 22. A matmul with no batch dimension, and a convolution, lay out freely. A tensor
+    several batched matmuls read is tiled as the first one (in the step's order) has it."""
     out: dict[int, tuple[int, ...]] = {}
     for dot in graph.dots:
         if dot.fixed or dot.sizes is not None:

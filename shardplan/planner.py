@@ -449,7 +449,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     searched = compute          # the ILP's pricing: HBM traffic counted its way
     for t in graph.tensors:
         if t.rank and (t.id in enum.traffic or t.id in enum.priced_traffic):
-            per_device = model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[t.id])
+            per_device = enum.stored_bytes(t.id, spec_of[t.id])      # as the ILP priced it
             searched += enum.hbm_seconds(t.id, per_device)
             s = enum.hbm_seconds(t.id, per_device, priced=True)     # as XLA fuses it: the prediction
             compute += s
@@ -458,7 +458,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     def row(tid, role, name=None):
         t = graph.tensors[tid]
         return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
-                          model.memory_bytes(t.shape, t.dtype.itemsize, spec_of[tid]), cost_of[tid], t.source)
+                          enum.stored_bytes(tid, spec_of[tid]), cost_of[tid], t.source)
 
     offload_s = offload_bytes = 0.0
     for t in graph.transfers:

@@ -55,6 +55,7 @@ class Enumerator:
         self.combined = combined_reductions(graph)
         self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
         self.minor = minor_dims(graph) if model.tiled else {}     # TPU tiles fixed by batched matmuls
+        self._inputs = frozenset(graph.inputs)
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
@@ -332,6 +333,21 @@ class Enumerator:
         t = self.g.tensors[tid]
         return t.mult * self.m.memory_bytes(t.shape, t.dtype.itemsize, spec) / self.m.mesh.device.offload_bandwidth
 
+    def stored_as(self, tid: int) -> tuple[int, tuple[int, ...] | None]:
+        """(item size, tiled dimensions) a tensor is held in device memory with: on a TPU, a
+        float32 tensor only bfloat16-pass dots read is stored as its rounding (not an argument:
+        the caller holds those), and a batched dot's operand or result tiles its own dimensions
+        (:func:`shardplan.layout.minor_dims`)."""
+        t = self.g.tensors[tid]
+        narrowed = tid in self.narrow and tid not in self._inputs
+        return (2 if narrowed else t.dtype.itemsize), self.minor.get(tid)
+
+    def stored_bytes(self, tid: int, spec: Spec) -> float:
+        """Bytes per device a tensor of this spec holds (:meth:`stored_as`)."""
+        t = self.g.tensors[tid]
+        itemsize, minor = self.stored_as(tid)
+        return self.m.memory_bytes(t.shape, itemsize, spec, minor)
+
     def hbm_seconds(self, tid: int, per_device_bytes, *, priced: bool = False):
         """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
         and writes, :func:`hbm_traffic`: as the ILP counts them, or with ``priced`` as XLA fuses)."""
@@ -462,9 +478,7 @@ class Enumerator:
                 if specs is None:
                     specs = specs_of_classes[classes] = [tuple(o.get(c, ()) for c in classes) for o in options]
                 spec_of[t] = specs
-                # libtpu stores a float32 tensor read only by bfloat16-pass dots as its rounding.
-                itemsize = 2 if t in self.narrow and t not in always else tt.dtype.itemsize
-                minor = self.minor.get(t)
+                itemsize, minor = self.stored_as(t)
                 key = (classes, tt.shape, itemsize, minor)
                 per_dev = bytes_of.get(key)
                 if per_dev is None:

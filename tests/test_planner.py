@@ -111,15 +111,17 @@ def test_tiny_batch_huge_layers_gives_tensor_parallel():
     assert p.cost.memory_bytes <= 200 * 2**20
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_searched_cost_is_the_solver_objective(scan):
+@pytest.mark.parametrize("scan,mesh", [(True, "cpu-8"), (False, "cpu-8"), (True, "tpu-v5e-256")])
+def test_searched_cost_is_the_solver_objective(scan, mesh):
     """The plan's itemised cost (every collective, each dot, each tensor's traffic counted the
     ILP's way) adds up to the objective the ILP minimised: one pricer, used by both. The
-    prediction differs only in counting HBM traffic as XLA runs it (shardplan.traffic)."""
+    prediction differs only in counting HBM traffic as XLA runs it (shardplan.traffic). On a TPU
+    mesh, tensors held as bfloat16 roundings and in a batched matmul's tiles are priced alike."""
     ref = reference("gpt-tiny", scan=scan)
-    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
-    p = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4}),
-                       time_limit=2)
+    tpu = mesh.startswith("tpu")
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(256 if tpu else 8, abstract=True)
+    axes = {"data": 16, "model": 16} if tpu else {"data": 2, "model": 4}
+    p = shardplan.plan(ref.train_step, state, batch, mesh=shardplan.load_mesh(mesh, axes=axes), time_limit=2)
     assert p.cost.comm_s > 0
     assert p.cost.searched_s == pytest.approx(p.solver.objective, rel=1e-9)
 

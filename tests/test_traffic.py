@@ -83,7 +83,7 @@ def test_a_stacked_residual_costs_a_zero_fill_and_a_matmuls_result_a_copy(policy
 
 def test_a_stacked_slice_an_op_without_operands_makes_is_not_the_loops_input():
     """A slice made in the body by an op with no operands (an iota) is written in place, like an
-    elementwise one; the loop's own input (the carry) is copied in."""
+    elementwise one, not copied in as the loop's input is."""
     def f(x):
         def body(h, _):
             return h * 2.0, jax.lax.iota(jnp.float32, D)
