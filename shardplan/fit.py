@@ -126,17 +126,18 @@ def compile_oom_limit(error: BaseException) -> float | None:
     (XLA TPU: "... exceeds available HBM (15.75G)", "Used 15.89G of 15.75G hbm"), else ``None``."""
     if compile_oom_bytes(error) is None:
         return None
-    found = _HELD.search(str(error))
-    if found is None:
-        return None
-    return float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")
+    return _bytes_of(_HELD.search(str(error)))
 
 
 def compile_oom_bytes(error: BaseException) -> float | None:
     """The bytes per device a compiler that refused the program as too big reported using
     (XLA TPU: "Ran out of memory in memory space hbm. Used 15.89G of 15.75G hbm", or "... on HBM,
     the total memory required for HLO temporaries (22.91G) exceeds ...": at least that), else ``None``."""
-    found = _OOM.search(str(error))
+    return _bytes_of(_OOM.search(str(error)))
+
+
+def _bytes_of(found: re.Match | None) -> float | None:
+    """Bytes of a matched compiler figure ("15.75" and a unit letter "G"), None without a match."""
     if found is None:
         return None
     return float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")
@@ -146,9 +147,10 @@ def _too_big(budget: int, attempts: list[Attempt], why: str, limit: int | None =
     least = min(a.compiled_bytes for a in attempts)
     tried = "; ".join(f"planned under {format_bytes(a.budget_bytes)}: predicted {format_bytes(a.predicted_bytes)}, "
                       f"compiled {format_bytes(a.compiled_bytes)}" for a in attempts)
-    if (limit is not None and limit < budget) or least <= budget:
+    device = limit if limit is not None and limit < budget else None
+    if device is not None or least <= budget:
         # The compiler refused the programs as over the device's memory, below the budget asked for.
-        held = f"the device's {format_bytes(limit)}" if limit is not None and limit < budget else "the device's memory"
+        held = f"the device's {format_bytes(device)}" if device is not None else "the device's memory"
         advice = (f"The least a compiled plan needed is {format_bytes(least)}, over {held} (the compiler "
                   f"refuses programs over that, whatever the budget): use more devices, recompute activations "
                   f"or shrink the batch.")
