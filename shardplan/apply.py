@@ -68,8 +68,13 @@ class _Emitter:
 
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
+        for k, (v, a) in enumerate(zip(jaxpr.invars, args)):
+            # A scan body's inputs (its slice of each scanned operand, its carry and consts) held
+            # at their planned specs: left free, XLA may reshard a scanned stack whole, inside the
+            # loop, to suit the first reader of its slice (a layer's weight gathered for its
+            # matmul: the whole stack gathered once a layer). Other bodies' inputs are the
+            # outer tensors, planned there (no spec at this path).
+            env[v] = self.constrain(a, self.specs.get(f"{prefix}in:{k}")) if prefix else a
         for position, eqn in enumerate(jaxpr.eqns):
             ins = [read(v) for v in eqn.invars]
             prim, params = eqn.primitive, dict(eqn.params)

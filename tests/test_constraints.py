@@ -72,3 +72,60 @@ def test_contradicting_constraints_keep_the_first_and_say_so():
         return a * b
     with pytest.warns(UserWarning, match=r"contradicts the one at .*; the first one is kept"):
         shardplan.plan(step, jnp.ones((32, 8)), mesh=MESH, cache=False)
+
+
+def _stack_step(mesh):
+    def loss(ws, x):
+        def body(h, w):
+            return jnp.tanh(h @ w)[:, :h.shape[1]] + h, None
+        h, _ = jax.lax.scan(body, x, ws)
+        return jnp.sum(h ** 2)
+    return lambda ws, x: ws - 0.1 * jax.grad(loss)(ws, x)
+
+
+def _gathers(text: str) -> list[tuple[int, ...]]:
+    import re
+    return [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+
+
+def test_a_scan_bodys_slice_of_a_stack_is_held_at_its_planned_spec():
+    """Each layer's slice of a scanned weight stack is pinned inside the loop body to the spec
+    the plan gives it. XLA's partitioner, left free there, may reshard the whole stack (inside the
+    loop, once a layer) to suit the slice's first reader: the hand-written loop below does, on this
+    CPU compiler too. That turned GPT-3 175B's plan on two v5p slices from 498 GiB of collectives
+    a step into 4.87 TiB (RESULTS.md, session 23)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    stored, gathered = P(None, None, ("data", "model")), P(None, "model")
+
+    def by_hand(pin):
+        def loss(ws, x):
+            def body(h, w):
+                if pin:
+                    w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*stored[1:])))
+                w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, gathered))
+                return jnp.tanh(h @ w)[:, :256] + h, None
+            return jnp.sum(jax.lax.scan(body, x, ws)[0])
+        step = lambda ws, x: ws - 0.1 * jax.grad(loss)(ws, x)
+        ws = jax.ShapeDtypeStruct((8, 256, 1024), jnp.float32, sharding=NamedSharding(mesh, stored))
+        x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        return _gathers(jax.jit(step, out_shardings=NamedSharding(mesh, stored)).lower(ws, x).compile().as_text())
+
+    assert (8, 256, 512) in by_hand(pin=False)            # the whole stack, gathered in the loop
+    assert all(shape[0] != 8 for shape in by_hand(pin=True))
+
+    # The planner's step: every scan body input is constrained to its planned spec first thing.
+    ws, x = jax.ShapeDtypeStruct((8, 128, 4096), jnp.float32), jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    f = shardplan.auto(_stack_step(mesh), mesh=mesh, donate_argnums=(0,), cache=False)
+    f.make_plan(ws, x)
+    specs = f.plan.specs_by_tensor()
+    closed = jax.make_jaxpr(f._compiled((ws, x), {}).jitted)(ws, x)
+    scans = [e for e in closed.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans
+    for eqn in scans:
+        body = eqn.params["jaxpr"].jaxpr
+        pinned = {e.invars[0]: e.params["sharding"].spec for e in body.eqns
+                  if e.primitive.name == "sharding_constraint" and e.invars[0] in body.invars}
+        ranked = [v for v in body.invars if v.aval.ndim]
+        assert ranked and all(v in pinned for v in ranked), "a scan body input is left to XLA"
+    stack = [s for path, s in specs.items() if path.endswith("in:0")]
+    assert stack, "no scan body input has a planned spec"
