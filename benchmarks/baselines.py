@@ -3,9 +3,11 @@
 Each returns PartitionSpecs for the train state (params and AdamW state share a spec) and the
 batch, on a mesh with axes ``data`` and ``model``:
 
-- ``dp``: pure data parallel: everything replicated, the batch split over every mesh axis.
+- ``dp``: pure data parallel: everything replicated, the batch split over every mesh axis (and
+  each layer's residual stream with it: :func:`activation_rules`).
 - ``fsdp``: ZeRO-3: every parameter and its optimizer state split over every mesh axis along
-  its largest evenly divisible dimension; the batch split over every mesh axis.
+  its largest evenly divisible dimension; the batch split over every mesh axis (and each
+  layer's residual stream with it).
 - ``megatron``: Megatron-LM tensor parallel over ``model`` (column-parallel qkv/fc/gate/up,
   row-parallel proj/out/down, vocab-parallel embedding and head), data parallel over ``data``,
   with Megatron's sequence parallelism inside the ``model`` group: the residual stream (the
@@ -18,7 +20,8 @@ batch, on a mesh with axes ``data`` and ``model``:
 - ``maxtext``: MaxText's default logical-axis rules with ``data`` as its ``fsdp`` axis and
   ``model`` as its ``tensor`` axis: weights' ``embed`` dimension over ``data`` (FSDP),
   ``mlp``/``heads``/``vocab`` dimensions over ``model`` (tensor parallel), the batch over
-  ``data``; norms replicated.
+  ``data`` (and each layer's residual stream's batch: MaxText's ``activation_batch``); norms
+  replicated.
 - ``ep`` (mixture-of-experts models, meshes with an ``expert`` axis): MaxText's expert
   parallelism: each MoE layer's stacked expert weights split along the expert dimension over
   ``expert`` and along ``embed`` over ``data`` (FSDP), every other weight FSDP over ``data``
@@ -156,6 +159,15 @@ def activation_rules(kind: str, axes: dict[str, int]) -> dict[str, str | None] |
                 "exp": "expert" if axes.get("expert", 1) > 1 else None}
     if kind in CP_BASELINES:
         return {"batch": "data" if axes.get("data", 1) > 1 else None, "seq": "seq", "embed": None}
+    if kind in ("dp", "fsdp"):
+        # The residual stream split as the batch is (every axis), as one writes data parallelism
+        # and FSDP. Left to XLA's propagation, the weights' layout spreads into the activations:
+        # GPT-3 175B's FSDP step on 1024 GPUs gathered each layer's whole activation, 48 GiB,
+        # eight times a layer (52 TiB a step; 975 GiB with this rule).
+        rows = tuple(a for a, n in axes.items() if n > 1)
+        return {"batch": rows or None}
+    if kind == "maxtext":
+        return {"batch": "data" if axes.get("data", 1) > 1 else None}     # MaxText's activation_batch
     if kind != "megatron":
         return None
     return {"batch": "data" if axes.get("data", 1) > 1 else None,

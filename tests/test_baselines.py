@@ -112,3 +112,32 @@ def test_expert_parallel_baseline_splits_experts_and_trains_like_unsharded():
         f = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None))
         assert "all-to-all" in {c.kind for c in collectives(f.lower(state, batch).compile().as_text(), mesh)}
         np.testing.assert_allclose(f(*jax.device_put(concrete, sh))[1]["loss"], want, rtol=1e-5)
+
+
+def test_fsdp_baseline_keeps_activations_split_as_the_batch():
+    """FSDP as one writes it: the residual stream split as the batch is, so the compiled step
+    gathers weights, never a layer's whole activation. Left to XLA's propagation (no rules), the
+    weights' layout spread into the activations and the step gathered them whole (GPT-3 175B on
+    1024 GPUs: 52 TiB a step, 975 GiB with the rules; RESULTS.md, session 23)."""
+    import contextlib
+    import re
+    from jax.sharding import NamedSharding
+
+    from shardplan.benchmarks.baselines import activation_rules
+    from shardplan.mesh import make_jax_mesh
+    from shardplan.models.layers import activation_sharding
+    ref = reference("gpt-tiny", scan=True)
+    axes = {"data": 2, "model": 4}
+    mesh = make_jax_mesh(tuple(axes), tuple(axes.values()))
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    sh = jax.tree.map(lambda s: NamedSharding(mesh, s), hand_plan("fsdp", state, batch, axes, stacked=True),
+                      is_leaf=lambda x: isinstance(x, P))
+
+    def activation_gathers(rules):
+        f = jax.jit(lambda s, b: ref.train_step(s, b), in_shardings=sh, out_shardings=(sh[0], None))
+        with activation_sharding(mesh, rules) if rules else contextlib.nullcontext():
+            text = f.lower(state, batch).compile().as_text()
+        return [s for s in re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} all-gather\(", text) if s.startswith("8,32")]
+    assert activation_rules("fsdp", axes) == {"batch": ("data", "model")}
+    assert activation_gathers(None), "XLA no longer spreads the weights' layout into activations: say so"
+    assert activation_gathers(activation_rules("fsdp", axes)) == []
