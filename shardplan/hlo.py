@@ -281,24 +281,31 @@ def _shapes(lines: list[str]) -> dict[str, str]:
     return shapes
 
 
-def hbm_bytes(hlo_text: str) -> float:
-    """Bytes per device that the program's top-level ops read and write per step (trip counts
-    included): each fusion or op reads its operands and writes its result once; what happens
-    inside a fusion stays on chip. Collectives are left to :func:`collectives`."""
+def _top_ops(hlo_text: str):
+    """``(runs per step, bytes read and written, matmul FLOPs, lhs dtype)`` of every top-level op
+    (a fusion or an unfused op of a computation that runs at the top level: the entry, loop
+    bodies, branches): what :func:`hbm_bytes` and :func:`roofline_seconds` add up. Each op reads
+    its operands and writes its result once; what happens inside a fusion stays on chip.
+    Collectives are left to :func:`collectives` (no bytes here)."""
     bodies, mult = _computations(hlo_text)
-    in_place = functools.cache(lambda callee: _in_place(bodies[callee]))     # one read per fused body
-    total = 0.0
+    in_place = functools.cache(lambda callee: _in_place(bodies[callee]))
+    inner = functools.cache(lambda callee: _matmul_flops(bodies, callee))
     for comp in bodies["__top__"]:
         lines = bodies[comp]
         shapes = _shapes(lines)
         for line in lines[1:]:
             m = _OP.match(line)
-            if not m or m.group(3) in _NO_TRAFFIC or any(m.group(3).startswith(k) for k in _KINDS) \
-                    or m.group(3).endswith(("-start", "-done")):
+            if not m:
                 continue
-            operands = [_shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", m.group(4))]
             callee = re.search(r"calls=%?([\w.\-]+)", line)
             fused = callee.group(1) if m.group(3) == "fusion" and callee and callee.group(1) in bodies else None
+            dtype, flops = inner(fused) if fused is not None else _line_flops(line, shapes)
+            if m.group(3) in _NO_TRAFFIC or any(m.group(3).startswith(k) for k in _KINDS) \
+                    or m.group(3).endswith(("-start", "-done")):
+                if flops:
+                    yield mult.get(comp, 0.0), 0.0, flops, dtype
+                continue
+            operands = [_shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", m.group(4))]
             if fused is not None:
                 operands = [_sliced_read(bodies[fused], i, b) for i, b in enumerate(operands)]
             result = _shape_bytes(m.group(2))
@@ -312,8 +319,54 @@ def hbm_bytes(hlo_text: str) -> float:
                 operands = operands[1:]
             elif "slice" in m.group(1) or "slice" in m.group(3) or m.group(3) == "gather":
                 operands = [min(b, result) for b in operands]     # a slice reads only what it keeps
-            total += mult.get(comp, 0.0) * (result + sum(operands))
-    return total
+            yield mult.get(comp, 0.0), result + sum(operands), flops, dtype
+
+
+def hbm_bytes(hlo_text: str) -> float:
+    """Bytes per device that the program's top-level ops read and write per step (trip counts
+    included): each fusion or op reads its operands and writes its result once; what happens
+    inside a fusion stays on chip. Collectives are left to :func:`collectives`."""
+    return sum(runs * nbytes for runs, nbytes, _, _ in _top_ops(hlo_text))
+
+
+def roofline_seconds(hlo_text: str, flops_per_s, hbm_bandwidth: float) -> float:
+    """The program's compute priced op by op: each top-level op takes the longer of its matmul
+    FLOPs over ``flops_per_s(dtype)`` and its bytes (as :func:`hbm_bytes` counts them) over
+    ``hbm_bandwidth``, trip counts included; collectives left out. The planner prices each op so
+    (``CostModel.compute_time``). Adding a program's FLOP time and byte time instead counts a
+    compute-bound matmul's operand bytes on top of its FLOPs."""
+    return sum(runs * max(flops / flops_per_s(dtype) if flops else 0.0, nbytes / hbm_bandwidth)
+               for runs, nbytes, flops, dtype in _top_ops(hlo_text))
+
+
+def _line_flops(line: str, shapes: dict[str, str]) -> tuple[str, float]:
+    """(lhs dtype, FLOPs) of one dot or convolution line; ("", 0) for any other op."""
+    m = _DOT.search(line)
+    if m:
+        (ldtype, ldims), = _SHAPE.findall(shapes.get(m.group(2), ""))[:1] or [("f32", "")]
+        (_, rdims), = _SHAPE.findall(m.group(1))[:1] or [("f32", "")]
+        lsizes = [int(d) for d in ldims.split(",") if d]
+        k = math.prod(lsizes[int(c)] for c in m.group(4).split(",") if c)
+        return ldtype, 2.0 * math.prod(int(d) for d in rdims.split(",") if d) * k
+    c = _CONV.search(line)
+    return _conv_flops(c, shapes) if c else ("", 0.0)
+
+
+def _matmul_flops(bodies: dict[str, list[str]], comp: str) -> tuple[str, float]:
+    """(lhs dtype, FLOPs) of the dots and convolutions a fused computation (and what it calls) runs once."""
+    dtype, total = "", 0.0
+    lines = bodies.get(comp, [])
+    shapes = _shapes(lines) if lines else {}
+    for line in lines[1:]:
+        d, f = _line_flops(line, shapes)
+        if f:
+            dtype, total = dtype or d, total + f
+        for callee in re.findall(r"calls=%?([\w.\-]+)", line):
+            if callee in bodies and callee != comp:
+                d, f = _matmul_flops(bodies, callee)
+                if f:
+                    dtype, total = dtype or d, total + f
+    return dtype, total
 
 
 _CONV = re.compile(r"=\s*(\S+) convolution\((?:\S+ )?%?([\w.\-]+), (?:\S+ )?%?([\w.\-]+)\).*?"
@@ -357,20 +410,9 @@ def dot_flops(hlo_text: str) -> dict[str, float]:
     for comp, lines in _real(bodies):
         shapes = _shapes(lines)
         for line in lines[1:]:
-            m = _DOT.search(line)
-            if not m:
-                c = _CONV.search(line)
-                if c:
-                    dtype, flops = _conv_flops(c, shapes)
-                    out[dtype] = out.get(dtype, 0.0) + flops * mult.get(comp, 0.0)
-                continue
-            result, lhs, contracting = m.group(1), shapes.get(m.group(2), ""), m.group(4)
-            (rdtype, rdims), = _SHAPE.findall(result)[:1] or [("f32", "")]
-            (ldtype, ldims), = _SHAPE.findall(lhs)[:1] or [("f32", "")]
-            lsizes = [int(d) for d in ldims.split(",") if d]
-            k = math.prod(lsizes[int(c)] for c in contracting.split(",") if c)
-            flops = 2.0 * math.prod(int(d) for d in rdims.split(",") if d) * k * mult.get(comp, 0.0)
-            out[ldtype] = out.get(ldtype, 0.0) + flops
+            dtype, flops = _line_flops(line, shapes)
+            if flops:
+                out[dtype] = out.get(dtype, 0.0) + flops * mult.get(comp, 0.0)
     return out
 
 

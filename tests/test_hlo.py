@@ -253,3 +253,22 @@ def test_a_collective_libtpu_splits_over_async_fusions_counts_once():
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     found = collectives(_SPLIT_ALL_GATHER, mesh)
     assert [(c.kind, c.axes, c.nbytes, c.count) for c in found] == [("all-gather", ("model",), 128, 1.0)] * 2
+
+
+def test_roofline_prices_each_op_at_the_longer_of_its_flops_and_bytes():
+    """``roofline_seconds`` takes each top-level op at max(FLOP time, byte time): between the
+    larger and the sum of the program's FLOP time and byte time, and each limit where the other
+    is free."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.hlo import dot_flops, hbm_bytes, roofline_seconds
+    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    text = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1.0).lower(x, x).compile().as_text()
+    flops, nbytes = sum(dot_flops(text).values()), hbm_bytes(text)
+    assert flops == 2 * 512 ** 3 and nbytes >= 3 * 512 * 512 * 4
+    for peak, bw in [(1e12, 1e11), (1e10, 1e12), (1e11, 1e11)]:
+        r = roofline_seconds(text, lambda dtype: peak, bw)
+        assert max(flops / peak, nbytes / bw) <= r * (1 + 1e-9) and r <= (flops / peak + nbytes / bw) * (1 + 1e-9)
+    assert roofline_seconds(text, lambda dtype: 1e30, 1e11) == pytest.approx(nbytes / 1e11)
+    assert roofline_seconds(text, lambda dtype: 1e9, 1e30) == pytest.approx(flops / 1e9)
