@@ -569,11 +569,11 @@ def write_outputs(all_rows: list[Row], out: str, header: str) -> None:
         w = csv.writer(f)
         w.writerow(["cell", "plan", "status", "predicted_ms", "compiled_ms", "compute_ms",
                     *[f"{k}_ms" for k in COLLECTIVE_KINDS], "memory_gib", "collectives", "collective_gib",
-                    "solve_s", "cpu_step_ms"])
+                    "solve_s", "cpu_step_ms", "roofline_ms"])
         for r in all_rows:
             w.writerow([r.cell, r.plan, r.status, r.predicted_ms, r.compiled_ms, r.compute_ms,
                         *[r.comm_ms_by_kind.get(k, "") for k in COLLECTIVE_KINDS], r.memory_gib, r.collectives,
-                        r.collective_gib, r.solve_s, r.cpu_step_ms])
+                        r.collective_gib, r.solve_s, r.cpu_step_ms, r.roofline_ms])
     os.replace(os.path.join(out, "results.csv.tmp"), os.path.join(out, "results.csv"))
     _write_atomic(os.path.join(out, "results.json"),
                   json.dumps([dataclasses.asdict(r) for r in all_rows], indent=1, default=str))

@@ -104,7 +104,9 @@ class _Emitter:
                 closed = jcore.ClosedJaxpr(params["jaxpr"], [])
                 new = self.rebuild(closed, inner)
                 if new.consts:
-                    for v, x in zip(eqn.outvars, self.eval(new.jaxpr, new.consts, ins)):
+                    # Inlined as rebuilt (its constraints already inside): evaluated plainly, not
+                    # through the plan again, whose paths would read it as top-level equations.
+                    for v, x in zip(eqn.outvars, jax.core.eval_jaxpr(new.jaxpr, new.consts, *ins)):
                         env[v] = x
                     continue
                 params["jaxpr"] = new.jaxpr

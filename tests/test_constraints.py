@@ -111,7 +111,8 @@ def test_a_scan_bodys_slice_of_a_stack_is_held_at_its_planned_spec():
         return _gathers(jax.jit(step, out_shardings=NamedSharding(mesh, stored)).lower(ws, x).compile().as_text())
 
     assert (8, 256, 512) in by_hand(pin=False)            # the whole stack, gathered in the loop
-    assert all(shape[0] != 8 for shape in by_hand(pin=True))
+    pinned_gathers = by_hand(pin=True)
+    assert (256, 512) in pinned_gathers and all(shape[0] != 8 for shape in pinned_gathers)   # one layer at a time
 
     # The planner's step: every scan body input is constrained to its planned spec first thing.
     ws, x = jax.ShapeDtypeStruct((8, 128, 4096), jnp.float32), jax.ShapeDtypeStruct((1024, 128), jnp.float32)
@@ -127,5 +128,4 @@ def test_a_scan_bodys_slice_of_a_stack_is_held_at_its_planned_spec():
                   if e.primitive.name == "sharding_constraint" and e.invars[0] in body.invars}
         ranked = [v for v in body.invars if v.aval.ndim]
         assert ranked and all(v in pinned for v in ranked), "a scan body input is left to XLA"
-    stack = [s for path, s in specs.items() if path.endswith("in:0")]
-    assert stack, "no scan body input has a planned spec"
+    assert any("/in:" in path for path in specs), "no scan body input has a planned spec"

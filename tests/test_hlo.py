@@ -272,3 +272,7 @@ def test_roofline_prices_each_op_at_the_longer_of_its_flops_and_bytes():
         assert max(flops / peak, nbytes / bw) <= r * (1 + 1e-9) and r <= (flops / peak + nbytes / bw) * (1 + 1e-9)
     assert roofline_seconds(text, lambda dtype: 1e30, 1e11) == pytest.approx(nbytes / 1e11)
     assert roofline_seconds(text, lambda dtype: 1e9, 1e30) == pytest.approx(flops / 1e9)
+    # The matmul compute-bound, the elementwise op after it bandwidth-bound: op by op is less than
+    # the program's FLOP time plus its byte time (which counts the matmul's operands on top).
+    peak, bw = 8e12, 1e11      # the matmul's FLOP time about its byte time: the sum counts both
+    assert roofline_seconds(text, lambda dtype: peak, bw) < 0.8 * (flops / peak + nbytes / bw)
