@@ -258,9 +258,11 @@ def _cmd_audit(args) -> int:
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
-                       time_limit=args.time_limit)
+                       time_limit=args.time_limit, pipeline=None if args.pipeline == "off" else args.pipeline)
     with _interruptible():
         f.make_plan(state, batch)
+        if f.plan.pipeline is not None:
+            print(f"pipeline: {f.plan.pipeline_config().describe()}", file=sys.stderr, flush=True)
         report = f.audit_for(target, state, batch)
     print(report.table())
     return 1 if report.divergences() else 0
@@ -412,6 +414,9 @@ def _main(argv: list[str]) -> int:
             a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             a.add_argument(flag, type=action.type, **kwargs)
+    a.add_argument("--pipeline", type=_pipeline_setting, default="off",
+                   help="pipeline stages: off (default), auto (plan each candidate pipeline, audit the best), or a "
+                        "number of stages")
     a.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"),
                    help="the compiler: gpu / tpu compile for the preset's device with none present (pip install "
                         "'shardplan[aot]'); cpu on fake CPU devices; auto: the preset's own where installed, else cpu")

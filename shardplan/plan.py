@@ -154,13 +154,16 @@ class Plan:
         """A pytree of ``NamedSharding`` mirroring the step's outputs."""
         return self._tree(self.outputs, self.out_tree, mesh or self.jax_mesh())
 
-    def audit(self, compiled, mesh=None):
+    def audit(self, compiled, mesh=None, jax_mesh=None):
         """Hold this plan's predictions against a compiled program of its step (:mod:`shardplan.audit`).
 
         ``mesh`` (a ``MeshSpec``) prices the compiled collectives; default: the mesh it was planned on.
+        ``jax_mesh``: the ``jax.sharding.Mesh`` it was compiled for (the second value
+        :meth:`~shardplan.api.AutoFunction.compile_for` returns), which names its compiler (a GPU or
+        TPU compile without a device); default: this plan's mesh of the local devices.
         """
         from shardplan.audit import audit_step
-        return audit_step(self, compiled, mesh)
+        return audit_step(self, compiled, mesh, jax_mesh)
 
     def input_specs(self) -> list[tuple[str, PartitionSpec]]:
         return [(r.name, r.partition_spec) for r in self.inputs]

@@ -4,7 +4,8 @@ Two counts (:func:`hbm_traffic`): the one the ILP prices shardings with (every t
 sharding edge written once and read once), and the one a chosen plan's step is predicted with,
 as XLA runs it: fused results never stored, a stored one read once per kernel that reads it, and
 a scan's stacked results filled and copied in (profiled on an H200: ``benchmarks/RESULTS.md``,
-session 21).
+session 21). Both counts have the copies the GPU compiler makes of a scanned operand's slices
+that matmuls read (:func:`sliced_for_matmuls`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
     for t in graph.outputs:
         if t is not None:
             traffic[t] = 2
+    copied = sliced_for_matmuls(graph)
     if not fused:
+        for t in copied:
+            traffic[t] = traffic.get(t, 0) + 2
         return {t: n for t, n in traffic.items() if n}
     reads: dict[int, int] = {}
     for t, n in traffic.items():
@@ -70,7 +74,10 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
             source = made[source][1][0]
         if source in dot_outs or source not in made:
             traffic[body] = traffic.get(body, 0) + 2    # a matmul's result or the loop's input: copied in
+    for t in copied:
+        traffic[t] = traffic.get(t, 0) + 2
     return {t: n for t, n in traffic.items() if n}
+
 
 
 # Ops XLA compiles to nothing: jax.checkpoint passes the residuals it saves through a
@@ -98,3 +105,36 @@ def _kernel_reads(graph: Graph, t: int, memo: dict[int, int]) -> int:
             n += 1
     memo[t] = n
     return n
+
+
+# Ops that change no byte of a matmul operand's values XLA reads (a layout, a shape, a dtype the
+# matmul's fusion takes in): a scanned slice read through them is still a matmul's operand.
+_LAYOUT_OPS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "convert_element_type"}) | _NO_OPS
+
+
+def sliced_for_matmuls(graph: Graph) -> set[int]:
+    """The scan body inputs that are a scanned operand's per-trip slice read by a matmul (through
+    layout-only ops), where the GPU compiler copies each trip's slice out of the stack before its
+    matmul reads it: a ``dynamic_slice_fusion`` whose root is a ``copy``, read and written once
+    a trip (a layer's weights, or a stacked residual the backward loop reads). The TPU compiler
+    fuses the slice into its reader; the CPU compiler's time is not priced. GPT-3 175B's
+    pipeline, its weights held whole over ``model`` in the forward loop, copied 11,584 GiB of
+    them a step this way (``benchmarks/RESULTS.md``, session 24)."""
+    if graph.compiler != "gpu":
+        return set()
+    out = set()
+    for bodies in graph.scanned_into.values():
+        for bt in bodies:
+            if bt is not None and _read_by_matmul(graph, bt, set()):
+                out.add(bt)
+    return out
+
+
+def _read_by_matmul(graph: Graph, t: int, seen: set[int]) -> bool:
+    seen.add(t)
+    for prim, outs in graph.readers.get(t, []):
+        if prim in _DOTS:
+            return True
+        if prim in _LAYOUT_OPS and any(o not in seen and _read_by_matmul(graph, o, seen) for o in outs):
+            return True
+    return False

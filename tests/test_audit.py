@@ -6,6 +6,7 @@ import jax
 import pytest
 
 import shardplan
+from shardplan import targets
 from shardplan.models.train import reference
 from shardplan.cli import main
 
@@ -32,12 +33,38 @@ def test_audit_matches_prediction_on_a_planned_step():
     assert any("collective bytes" in d for d in bad.audit(compiled).divergences())
 
 
+@pytest.mark.skipif(not targets.available("gpu"), reason="needs the GPU compiler: pip install 'shardplan[aot]'")
+def test_a_plan_audits_a_gpu_compile_as_one():
+    """``Plan.audit`` of a program compiled for a GPU without one names the GPU, and has no
+    note on the CPU compiler's float32 temporaries."""
+    ref = reference("gpt-tiny", scan=True)
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("h100-8", axes={"data": 8}),
+                       donate_argnums=(0,), time_limit=3)
+    compiled, jax_mesh, compiler = f.compile_for("gpu", state, batch)
+    a = f.plan.audit(compiled, jax_mesh=jax_mesh)
+    assert a.platform == "gpu", (a.platform, compiler)
+    assert not any("CPU compile" in n for n in a.notes), a.notes
+    assert abs(a.comm_error()) <= 0.05, a.table()
+
+
 def test_audit_command(capsys):
     rc = main(["audit", "--model", "gpt-tiny", "--mesh", "cpu-8", "--axes", "data=2,model=4", "--batch", "8",
                "--time-limit", "3"])
     out = capsys.readouterr().out
     assert rc == 0, out      # no divergence: the tied embedding, gathered for the logits and for their
     assert "audit against the compiled program" in out and "all collectives" in out     # gradient, once
+
+
+def test_audit_command_audits_a_pipeline(capsys):
+    """``--pipeline N`` audits the plan with its layer scan run as an N-stage pipeline: the stage
+    axis's collectives are in the table, held against the compiled program."""
+    rc = main(["audit", "--model", "gpt-tiny", "--mesh", "cpu-8", "--axes", "data=8", "--batch", "8",
+               "--time-limit", "3", "--pipeline", "2"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "pipeline: 2 stages over mesh axis 'stage'" in captured.err
+    assert "axis stage" in captured.out and "collective-permute" in captured.out
 
 
 def test_gathers_scatters_and_broadcast_operands_are_priced_as_compiled():

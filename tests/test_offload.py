@@ -202,13 +202,18 @@ def test_auto_offloads_the_wide_class_where_the_host_link_beats_recomputing():
     fits. Every host copy shows in the step (measured so on an H200), so over PCIe (50 GB/s) the
     copies of a layer's dot results cost more than recomputing them, and "full" is chosen; over
     a link as fast as a GH200's NVLink-C2C (450 GB/s) they cost less, and "offload" is. The narrow
-    class, small, needs nothing either way."""
+    class, small, recomputes no matmul either way: it keeps every residual ("none") or every
+    matmul result ("dots_all", which recomputes only the tanh, and spares the copy the GPU makes
+    of a kept tanh slice for its weight-gradient matmul; the two are within 0.1%)."""
     state, batch = _abstract(8192, 32768, 1024, 4, 16384)
     step = _step()
+    keeps_matmuls = ("none", "dots_all")
     pcie = shardplan.plan(step, state, batch, mesh=_with_host_link(50e9), remat="auto", memory_budget="3GiB", **KW)
-    assert [s["policy"] for s in pcie.remat["sites"]] == ["full", "none"], pcie.remat
+    (wide, narrow) = [s["policy"] for s in pcie.remat["sites"]]
+    assert wide == "full" and narrow in keeps_matmuls, pcie.remat
     c2c = shardplan.plan(step, state, batch, mesh=_with_host_link(450e9), remat="auto", memory_budget="3GiB", **KW)
-    assert [s["policy"] for s in c2c.remat["sites"]] == ["offload", "none"], c2c.remat
+    (wide, narrow) = [s["policy"] for s in c2c.remat["sites"]]
+    assert wide == "offload" and narrow in keeps_matmuls, c2c.remat
     for auto in (pcie, c2c):
         assert auto.cost.memory_bytes <= shardplan.parse_bytes("3GiB")
     assert c2c.cost.step_s == pytest.approx(c2c.cost.compute_s + c2c.cost.comm_s + c2c.cost.offload_s)

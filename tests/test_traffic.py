@@ -2,6 +2,7 @@
 and what XLA fuses away."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,9 @@ import pytest
 
 import shardplan
 from shardplan.models.train import reference
+from shardplan import targets
 from shardplan.rules import apply_rule
-from shardplan.traffic import hbm_traffic
+from shardplan.traffic import hbm_traffic, sliced_for_matmuls
 from shardplan.walk import build_graph
 
 B, D, L = 256, 128, 4
@@ -137,3 +139,34 @@ def test_recomputing_is_priced_faster_than_keeping_where_it_saves_the_stacks():
     assert step["none"] > max(step["dots"], step["full"]), step
     auto = shardplan.plan(ref.train_step, state, batch, mesh=one, remat="auto", time_limit=5, cache=False)
     assert auto.remat["sites"][0]["policy"] in ("dots", "full")
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
+def test_a_scanned_slice_a_matmul_reads_is_copied_on_a_gpu_and_priced_so(policy):
+    """The GPU compiler copies each trip's slice of a scanned operand out of its stack before a
+    matmul reads it (a layer's weights; the backward loop's stacked layer input), read and
+    written once a trip; a slice only elementwise ops read it fuses into them. Both traffic
+    counts add the copy on a GPU mesh, neither on another; and the slices priced are the ones
+    the compiler copies (compiled when the GPU compiler is installed)."""
+    ws = jax.ShapeDtypeStruct((L, D, D), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((B, D), jnp.bfloat16)
+    step = _scanned_grad(policy)
+    g = _graph(step, ws, x, compiler="gpu")
+    copied = sliced_for_matmuls(g)
+    shapes = sorted(g.tensors[t].shape for t in copied)
+    # the forward's and the backward's weight slice, and the backward's layer input
+    assert shapes == sorted([(B, D), (D, D), (D, D)]), shapes
+    plain = _graph(step, ws, x, compiler="cpu")
+    assert sliced_for_matmuls(plain) == set()
+    for fused in (False, True):
+        on_gpu, elsewhere = hbm_traffic(g, fused=fused), hbm_traffic(plain, fused=fused)
+        for t in copied:
+            assert on_gpu.get(t, 0) == elsewhere.get(t, 0) + 2, (g.tensors[t].path, fused)
+    if not targets.available("gpu"):
+        pytest.skip("the rule's compiled check needs the GPU compiler: pip install 'shardplan[aot]'")
+    mesh, _ = targets.target_mesh(shardplan.load_mesh("h100-8"), "gpu")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    text = jax.jit(step, in_shardings=(rep, rep)).lower(ws, x).compile().as_text()
+    # a fused computation whose root copies a dynamic slice: its shape, less the trip dimension
+    compiled = re.findall(r"ROOT %copy[.\w]* = bf16\[1,(\d+),(\d+)\]\{[\d,]+\} copy\(%dynamic[-_]slice", text)
+    assert sorted(tuple(map(int, s)) for s in compiled) == shapes, compiled

@@ -1,0 +1,51 @@
+"""Today's predictions against steps measured on a device: each model of a ``device_check`` JSON
+planned again, abstractly, on the same calibrated one-device mesh, beside the step it measured.
+
+    python benchmarks/h200_predictions.py benchmarks/results/device_check_h200_5.json
+
+No device is needed: the planner prices the step; the measured figures are the JSON's. Shows
+whether a change to the time model moved the predictions toward what the device ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="a device_check JSON (benchmarks/results/device_check_*.json)")
+    ap.add_argument("--calibration", default=None,
+                    help="the calibration JSON its steps ran under (default: the JSON's own)")
+    args = ap.parse_args(argv)
+    import jax
+
+    import shardplan
+    from device_check import _one_device
+    from shardplan.models.train import reference
+    data = json.load(open(args.results))
+    calibration = json.load(open(args.calibration)) if args.calibration else data.get("calibration")
+    print("| model, batch, remat | predicted then ms | predicted now ms | measured ms | measured / now |")
+    print("|---|---|---|---|---|")
+    for m in data["models"]:
+        if "measured_s" not in m:
+            continue
+        mesh = _one_device(m["mesh"].removesuffix("-1"), calibration)
+        ref = reference(m["model"], scan=True, **m.get("overrides", {}))
+        state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(m["batch"], abstract=True)
+        f = shardplan.auto(ref.train_step, mesh=mesh, donate_argnums=(0,), time_limit=20, remat=m["remat_setting"])
+        f.make_plan(state, batch)
+        now = f.plan.cost.step_s
+        layers = "".join(f", {k}={v}" for k, v in m.get("overrides", {}).items())
+        print(f"| {m['model']}{layers}, {m['batch']}, {m['remat_setting']} | {m['predicted_s'] * 1e3:.1f} | "
+              f"{now * 1e3:.1f} | {m['measured_s'] * 1e3:.1f} | {m['measured_s'] / now:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
