@@ -257,8 +257,9 @@ def _cmd_audit(args) -> int:
           file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
+    pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")     # what `shardplan plan` plans
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
-                       time_limit=args.time_limit, pipeline=None if args.pipeline == "off" else args.pipeline)
+                       time_limit=args.time_limit, pipeline=None if pipeline == "off" else pipeline)
     with _interruptible():
         f.make_plan(state, batch)
         if f.plan.pipeline is not None:
@@ -414,9 +415,9 @@ def _main(argv: list[str]) -> int:
             a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             a.add_argument(flag, type=action.type, **kwargs)
-    a.add_argument("--pipeline", type=_pipeline_setting, default="off",
-                   help="pipeline stages: off (default), auto (plan each candidate pipeline, audit the best), or a "
-                        "number of stages")
+    a.add_argument("--pipeline", type=_pipeline_setting, default=None,
+                   help="pipeline stages: auto (plan each candidate pipeline, audit the best), off, or a number of "
+                        "stages (default, as for plan: auto on a mesh of several nodes, else off)")
     a.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"),
                    help="the compiler: gpu / tpu compile for the preset's device with none present (pip install "
                         "'shardplan[aot]'); cpu on fake CPU devices; auto: the preset's own where installed, else cpu")

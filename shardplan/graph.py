@@ -158,6 +158,9 @@ class Graph:
         self.made_by: dict[int, tuple[str, list[int]]] = {}   # a result -> (the primitive that made it, its inputs)
         self.stacked_into: dict[int, int] = {}          # a stacked body tensor -> the scan's result
         self.scanned_into: dict[int, list[int | None]] = {}   # a scan's operand -> body inputs (None: const, carry)
+        # Inputs of a differentiated jax.checkpoint with prevent_cse: JAX lowers them behind an
+        # optimization barrier, where XLA needs each in a buffer of its own (traffic.copied_slices).
+        self.barriered: set[int] = set()
         self.shifts: set[int] = set()       # tensors rolled by one along dimension 0 (shardplan.walk.SHIFT_CALL)
         self.transfers: set[int] = set()    # results of a copy between device and host memory (host offload)
         # Copies to host memory outside any loop: the GPU and TPU compilers fetch them back early,

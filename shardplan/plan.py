@@ -160,7 +160,9 @@ class Plan:
         ``mesh`` (a ``MeshSpec``) prices the compiled collectives; default: the mesh it was planned on.
         ``jax_mesh``: the ``jax.sharding.Mesh`` it was compiled for (the second value
         :meth:`~shardplan.api.AutoFunction.compile_for` returns), which names its compiler (a GPU or
-        TPU compile without a device); default: this plan's mesh of the local devices.
+        TPU compile without a device); default: this plan's mesh of the local devices. For a TPU
+        compile, :meth:`~shardplan.api.AutoFunction.audit_for` also reads memory from an
+        HBM-only compile, as this cannot.
         """
         from shardplan.audit import audit_step
         return audit_step(self, compiled, mesh, jax_mesh)

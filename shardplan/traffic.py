@@ -5,10 +5,12 @@ sharding edge written once and read once), and the one a chosen plan's step is p
 as XLA runs it: fused results never stored, a stored one read once per kernel that reads it, and
 a scan's stacked results filled and copied in (profiled on an H200: ``benchmarks/RESULTS.md``,
 session 21). Both counts have the copies the GPU compiler makes of a scanned operand's slices
-that matmuls read (:func:`sliced_for_matmuls`).
+that a matmul reads (:func:`copied_slices`).
 """
 
 from __future__ import annotations
+
+import math
 
 from shardplan.graph import Graph
 
@@ -53,10 +55,10 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
     for t in graph.outputs:
         if t is not None:
             traffic[t] = 2
-    copied = sliced_for_matmuls(graph)
+    copied = copied_slices(graph)
     if not fused:
-        for t in copied:
-            traffic[t] = traffic.get(t, 0) + 2
+        for t in copied:                # read out of the stack and written: a relabelling reader adds nothing
+            traffic[t] = max(traffic.get(t, 0), 2)
         return {t: n for t, n in traffic.items() if n}
     reads: dict[int, int] = {}
     for t, n in traffic.items():
@@ -75,9 +77,8 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
         if source in dot_outs or source not in made:
             traffic[body] = traffic.get(body, 0) + 2    # a matmul's result or the loop's input: copied in
     for t in copied:
-        traffic[t] = traffic.get(t, 0) + 2
+        traffic[t] = max(traffic.get(t, 0), 2)
     return {t: n for t, n in traffic.items() if n}
-
 
 
 # Ops XLA compiles to nothing: jax.checkpoint passes the residuals it saves through a
@@ -107,34 +108,49 @@ def _kernel_reads(graph: Graph, t: int, memo: dict[int, int]) -> int:
     return n
 
 
-# Ops that change no byte of a matmul operand's values XLA reads (a layout, a shape, a dtype the
-# matmul's fusion takes in): a scanned slice read through them is still a matmul's operand.
-_LAYOUT_OPS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "convert_element_type"}) | _NO_OPS
+# Readers the GPU compiler hands a buffer of their own: a matmul (cuBLAS and Triton GEMMs read
+# their operands from memory), a loop or branch (its operands are its tuple's), an optimization
+# barrier.
+_MATERIALISING = frozenset(_DOTS) | {"scan", "while", "cond", "optimization_barrier"}
+# Ops that only relabel a value (a shape, a layout, a dtype): XLA folds them into the copy (a
+# bitcast, the copy's layout, a convert at its root), so a slice read through them is copied all
+# the same. A broadcast counts only where it adds size-1 dimensions (``w[None]``).
+_LAYOUT_OPS = frozenset({"reshape", "squeeze", "transpose", "convert_element_type", "broadcast_in_dim"}) | _NO_OPS
 
 
-def sliced_for_matmuls(graph: Graph) -> set[int]:
-    """The scan body inputs that are a scanned operand's per-trip slice read by a matmul (through
-    layout-only ops), where the GPU compiler copies each trip's slice out of the stack before its
-    matmul reads it: a ``dynamic_slice_fusion`` whose root is a ``copy``, read and written once
-    a trip (a layer's weights, or a stacked residual the backward loop reads). The TPU compiler
-    fuses the slice into its reader; the CPU compiler's time is not priced. GPT-3 175B's
-    pipeline, its weights held whole over ``model`` in the forward loop, copied 11,584 GiB of
-    them a step this way (``benchmarks/RESULTS.md``, session 24)."""
+def copied_slices(graph: Graph) -> set[int]:
+    """The scan body inputs that are a scanned operand's per-trip slice the GPU compiler copies
+    out of its stack each trip: a ``dynamic_slice_fusion`` (on a device, an asynchronous
+    ``fusion-start``/``fusion-done`` pair) that reads the slice and writes it once a trip. It does
+    so where the slice reaches, through ops that only relabel it, a reader that needs a buffer of
+    its own (a matmul, a nested loop, an optimization barrier), or an input of a differentiated
+    ``jax.checkpoint`` with ``prevent_cse`` (which JAX lowers behind an optimization barrier):
+    a layer's weights, or a stacked residual the backward loop reads. Both traffic counts price
+    such a slice as read and written once a trip (a converted one at its stored width, a little
+    over the convert's narrower write). The compiler copies some other slices too (one only
+    reduce fusions read, at times); those are not priced. The TPU compiler fuses the slice into
+    its reader; the CPU compiler's time is not priced. GPT-3 175B's pipeline, its weights held
+    whole over ``model`` in the forward loop, copied 11,584 GiB of them a step this way
+    (``benchmarks/RESULTS.md``, session 24)."""
     if graph.compiler != "gpu":
         return set()
     out = set()
     for bodies in graph.scanned_into.values():
         for bt in bodies:
-            if bt is not None and _read_by_matmul(graph, bt, set()):
+            if bt is not None and _needs_buffer(graph, bt, set()):
                 out.add(bt)
     return out
 
 
-def _read_by_matmul(graph: Graph, t: int, seen: set[int]) -> bool:
+def _needs_buffer(graph: Graph, t: int, seen: set[int]) -> bool:
     seen.add(t)
+    if t in graph.barriered:
+        return True
+    size = math.prod(graph.tensors[t].shape)
     for prim, outs in graph.readers.get(t, []):
-        if prim in _DOTS:
+        if prim in _MATERIALISING:
             return True
-        if prim in _LAYOUT_OPS and any(o not in seen and _read_by_matmul(graph, o, seen) for o in outs):
+        if prim in _LAYOUT_OPS and any(o not in seen and math.prod(graph.tensors[o].shape) == size
+                                       and _needs_buffer(graph, o, seen) for o in outs):
             return True
     return False

@@ -141,6 +141,9 @@ class _Walker:
                 continue
             if inlined:
                 body, _ = sub_jaxpr(eqn)
+                if prim in ("checkpoint", "remat", "remat2") and eqn.params.get("differentiated") \
+                        and eqn.params.get("prevent_cse", True):
+                    g.barriered.update(t for t in ins if t is not None)
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
                 g.prefix = body_prefix(here, eqn)
                 for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):

@@ -2,6 +2,7 @@
 and what XLA fuses away."""
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -12,7 +13,7 @@ import shardplan
 from shardplan.models.train import reference
 from shardplan import targets
 from shardplan.rules import apply_rule
-from shardplan.traffic import hbm_traffic, sliced_for_matmuls
+from shardplan.traffic import hbm_traffic, copied_slices
 from shardplan.walk import build_graph
 
 B, D, L = 256, 128, 4
@@ -22,12 +23,12 @@ def _graph(f, *args, compiler="cpu"):
     return build_graph(jax.make_jaxpr(f)(*args), [f"a{k}" for k in range(len(args))], apply_rule, compiler=compiler)
 
 
-def _scanned_grad(policy=None):
+def _scanned_grad(policy=None, prevent_cse=True):
     def block(h, w):
         return h + jnp.tanh(h @ w), None
 
     if policy is not None:
-        block = jax.checkpoint(block, policy=policy)
+        block = jax.checkpoint(block, policy=policy, prevent_cse=prevent_cse)
 
     def loss(ws, x):
         h, _ = jax.lax.scan(block, x, ws)
@@ -141,32 +142,72 @@ def test_recomputing_is_priced_faster_than_keeping_where_it_saves_the_stacks():
     assert auto.remat["sites"][0]["policy"] in ("dots", "full")
 
 
-@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
-def test_a_scanned_slice_a_matmul_reads_is_copied_on_a_gpu_and_priced_so(policy):
+def _gpu_copies(step, *args) -> list[tuple[int, ...]]:
+    """The slices the GPU compiler copies out of a scanned stack (a fused computation whose root
+    copies a dynamic slice), each shape less its trip dimension."""
+    mesh, _ = targets.target_mesh(shardplan.load_mesh("h100-8"), "gpu")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    text = jax.jit(step, in_shardings=(rep,) * len(args)).lower(*args).compile().as_text()
+    found = re.findall(r"ROOT %copy[.\w]* = bf16\[1,([\d,]+)\]\{[\d,]+\} copy\(%dynamic[-_]slice", text)
+    return sorted(tuple(int(d) for d in f.split(",")) for f in found)
+
+
+_WEIGHTS_AND_INPUT = sorted([(B, D), (D, D), (D, D)])   # the forward's and the backward's weight slice, the layer input
+
+
+@pytest.mark.parametrize("policy,prevent_cse,copied_shapes", [
+    (None, True, _WEIGHTS_AND_INPUT),
+    (jax.checkpoint_policies.nothing_saveable, True, _WEIGHTS_AND_INPUT),
+    # The matmul's saved result, which only tanh reads, is copied too: JAX lowers a differentiated
+    # checkpoint with prevent_cse behind an optimization barrier, which needs its own buffer.
+    (jax.checkpoint_policies.dots_saveable, True, sorted(_WEIGHTS_AND_INPUT + [(B, D)])),
+    (jax.checkpoint_policies.dots_saveable, False, _WEIGHTS_AND_INPUT),
+])
+def test_a_scanned_slice_a_matmul_reads_is_copied_on_a_gpu_and_priced_so(policy, prevent_cse, copied_shapes):
     """The GPU compiler copies each trip's slice of a scanned operand out of its stack before a
     matmul reads it (a layer's weights; the backward loop's stacked layer input), read and
-    written once a trip; a slice only elementwise ops read it fuses into them. Both traffic
-    counts add the copy on a GPU mesh, neither on another; and the slices priced are the ones
-    the compiler copies (compiled when the GPU compiler is installed)."""
+    written once a trip. Both traffic counts price the copy on a GPU mesh, neither on another;
+    and the slices priced are the ones the compiler copies (compiled when the GPU compiler is
+    installed)."""
     ws = jax.ShapeDtypeStruct((L, D, D), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((B, D), jnp.bfloat16)
-    step = _scanned_grad(policy)
+    step = _scanned_grad(policy, prevent_cse)
     g = _graph(step, ws, x, compiler="gpu")
-    copied = sliced_for_matmuls(g)
+    copied = copied_slices(g)
     shapes = sorted(g.tensors[t].shape for t in copied)
-    # the forward's and the backward's weight slice, and the backward's layer input
-    assert shapes == sorted([(B, D), (D, D), (D, D)]), shapes
+    assert shapes == copied_shapes, shapes
     plain = _graph(step, ws, x, compiler="cpu")
-    assert sliced_for_matmuls(plain) == set()
+    assert copied_slices(plain) == set()
     for fused in (False, True):
         on_gpu, elsewhere = hbm_traffic(g, fused=fused), hbm_traffic(plain, fused=fused)
         for t in copied:
-            assert on_gpu.get(t, 0) == elsewhere.get(t, 0) + 2, (g.tensors[t].path, fused)
+            assert elsewhere.get(t, 0) == 0 and on_gpu[t] == 2, (g.tensors[t].path, fused)
     if not targets.available("gpu"):
         pytest.skip("the rule's compiled check needs the GPU compiler: pip install 'shardplan[aot]'")
-    mesh, _ = targets.target_mesh(shardplan.load_mesh("h100-8"), "gpu")
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    text = jax.jit(step, in_shardings=(rep, rep)).lower(ws, x).compile().as_text()
-    # a fused computation whose root copies a dynamic slice: its shape, less the trip dimension
-    compiled = re.findall(r"ROOT %copy[.\w]* = bf16\[1,(\d+),(\d+)\]\{[\d,]+\} copy\(%dynamic[-_]slice", text)
-    assert sorted(tuple(map(int, s)) for s in compiled) == shapes, compiled
+    assert _gpu_copies(step, ws, x) == shapes
+
+
+@pytest.mark.parametrize("read", ["transpose", "reshape", "broadcast"])
+def test_a_slice_read_through_a_relabelling_op_is_copied_once(read):
+    """A weight slice a matmul reads through a transpose, a reshape or an added size-1 dimension
+    is one copy (XLA folds the op into it): priced as read and written once, whatever the op's
+    own edge adds, in both counts; the op's result is not the slice."""
+    def block(h, w):
+        if read == "transpose":
+            return h + jnp.tanh(h @ w.T), None
+        if read == "reshape":
+            return h + jnp.tanh(h @ w.reshape(D, D)), None
+        return h + jnp.tanh((h[None] @ w[None])[0]), None        # a batched matmul of one
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(block, x, ws)
+        return h.sum()
+    ws = jax.ShapeDtypeStruct((L, D * D) if read == "reshape" else (L, D, D), jnp.bfloat16)
+    g = _graph(jax.grad(loss), ws, jax.ShapeDtypeStruct((B, D), jnp.bfloat16), compiler="gpu")
+    # the forward's slice and the backward's (the weights' slice again, or the relabelled weights
+    # the forward stacked for it)
+    weights = {t for t in copied_slices(g) if math.prod(g.tensors[t].shape) == D * D}
+    assert len(weights) == 2, [g.tensors[t].shape for t in copied_slices(g)]
+    for fused in (False, True):
+        traffic = hbm_traffic(g, fused=fused)
+        assert all(traffic[t] == 2 for t in weights), [(g.tensors[t].path, traffic[t]) for t in weights]
