@@ -39,6 +39,13 @@ class _Parser(argparse.ArgumentParser):
 
 # Flag types: a bad value fails while the flags are parsed, before anything is traced or solved.
 
+def _pipeline_for(setting, mesh, context: str = "off"):
+    """``--pipeline`` as the planner takes it (``None``: no pipeline). Unset: auto on a mesh of
+    several nodes, unless context parallelism is asked for (it is not planned with a pipeline)."""
+    setting = setting or ("auto" if mesh.nodes > 1 and context == "off" else "off")
+    return None if setting == "off" else setting
+
+
 def _pipeline_setting(text: str):
     if text in ("auto", "off"):
         return text
@@ -199,11 +206,8 @@ def _cmd_plan(args) -> int:
                 shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
                 print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
         else:
-            # Context parallelism is not planned with a pipeline: asking for it leaves the pipeline off.
-            pipeline = args.pipeline or ("auto" if mesh.nodes > 1 and args.context == "off" else "off")
-
             kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
-                          pipeline=None if pipeline == "off" else pipeline,
+                          pipeline=_pipeline_for(args.pipeline, mesh, args.context),
                           remat="auto" if args.remat == "auto" else None, context=args.context)
             if args.verify is None:
                 plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
@@ -257,9 +261,8 @@ def _cmd_audit(args) -> int:
           file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
-    pipeline = args.pipeline or ("auto" if mesh.nodes > 1 else "off")     # what `shardplan plan` plans
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
-                       time_limit=args.time_limit, pipeline=None if pipeline == "off" else pipeline)
+                       time_limit=args.time_limit, pipeline=_pipeline_for(args.pipeline, mesh))
     with _interruptible():
         f.make_plan(state, batch)
         if f.plan.pipeline is not None:

@@ -55,11 +55,15 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
     for t in graph.outputs:
         if t is not None:
             traffic[t] = 2
-    copied = copied_slices(graph)
-    if not fused:
-        for t in copied:                # read out of the stack and written: a relabelling reader adds nothing
-            traffic[t] = max(traffic.get(t, 0), 2)
-        return {t: n for t, n in traffic.items() if n}
+    if fused:
+        traffic = _as_fused(graph, traffic)
+    for t in copied_slices(graph):      # read out of the stack and written: a relabelling reader adds nothing
+        traffic[t] = max(traffic.get(t, 0), 2)
+    return {t: n for t, n in traffic.items() if n}
+
+
+def _as_fused(graph: Graph, traffic: dict[int, int]) -> dict[int, int]:
+    """:func:`hbm_traffic`'s count as XLA fuses the step, from the ILP's."""
     reads: dict[int, int] = {}
     for t, n in traffic.items():
         if n == 2 and t not in graph.fused:
@@ -76,9 +80,7 @@ def hbm_traffic(graph: Graph, *, fused: bool = False) -> dict[int, int]:
             source = made[source][1][0]
         if source in dot_outs or source not in made:
             traffic[body] = traffic.get(body, 0) + 2    # a matmul's result or the loop's input: copied in
-    for t in copied:
-        traffic[t] = max(traffic.get(t, 0), 2)
-    return {t: n for t, n in traffic.items() if n}
+    return traffic
 
 
 # Ops XLA compiles to nothing: jax.checkpoint passes the residuals it saves through a
