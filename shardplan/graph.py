@@ -146,6 +146,9 @@ class Graph:
         self.outputs: list[int | None] = []
         self.points: list[list[int]] = []
         self.running: list[set[int]] = []        # per point: the results of the ops running there
+        # per point: matmul results whose split-K partial sums wait there for their reader
+        # (shardplan.liveness.summing_kernels)
+        self.held: list[set[int]] = []
         self.host_points: list[list[int]] = []    # the fullest live sets of host memory (host offload)
         self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
         self._paths: set[str] = set()                       # every tensor's path, each once

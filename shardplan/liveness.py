@@ -24,6 +24,8 @@ class Level:
     # eqn index -> the results of the ops running at the body's peak (a dot's split-K partial sums
     # live while it runs)
     inner_running: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # eqn index -> the matmul results held at the body's peak (:func:`summing_kernels`)
+    inner_held: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
 
 
@@ -113,51 +115,101 @@ def _expensive(g, t: int, prim: str) -> bool:
     return not (g.compiler == "gpu" and prim in GPU_CHEAP and g.tensors[t].dtype in (np.float32, np.float16))
 
 
-def peak(g, level: Level, exclude: set[int], *, host: bool = False) -> tuple[list[int], list[int]]:
+def peak(g, level: Level, exclude: set[int], *,
+         host: bool = False) -> tuple[list[int], list[int], list[int]]:
     """The live set of the level's fullest point, counted with every tensor replicated (``host``:
-    of host memory), and the results of the ops running there."""
-    best, best_running, best_bytes = [], [], -1
-    for live, running in live_sets(g, level, host=host):
+    of host memory), the results of the ops running there and the matmul results held there
+    (:func:`live_sets`)."""
+    best, best_bytes = ([], [], []), -1
+    for live, running, held in live_sets(g, level, host=host):
         live = [t for t in live if t not in exclude]
         n = sum(g.tensors[t].nbytes for t in live)
         if n > best_bytes:
-            best, best_running, best_bytes = live, running, n
-    return best, best_running
+            best, best_bytes = (live, running, held), n
+    return best
 
 
 def live_sets(g, level: Level, *, host: bool = False):
-    """``(live, running)`` at each point of the level's schedule: the tensors in device memory
-    (host-offloaded ones apart, where the target holds them apart:
-    :attr:`~shardplan.graph.Graph.host_apart`; with ``host``, those in host memory instead), and
-    the results of the ops running there (the point's own, and a loop body's at its peak)."""
+    """``(live, running, held)`` at each point of the level's schedule: the tensors in device
+    memory (host-offloaded ones apart, where the target holds them apart:
+    :attr:`~shardplan.graph.Graph.host_apart`; with ``host``, those in host memory instead), the
+    results of the ops running there (the point's own, and a loop body's at its peak), and the
+    results of matmuls run earlier whose partial sums wait there for the kernel that sums them
+    (:func:`summing_kernels`), where that kernel reads another matmul too."""
     live: set[int] = set()
     inner = level.inner_host if host else level.inner_peak
+    waiting = _waiting(g, level)
     for i, defined in enumerate(level.defined):
         if host:
             live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
         else:
             live.update(t for t in defined if t in level.last_use
                         and not (g.host_apart and g.tensors[t].host and t not in g.fetched_early))
-        yield sorted(live) + inner.get(i, []), list(defined) + level.inner_running.get(i, [])
+        held = [t for t in live if t not in defined and t in waiting]
+        yield (sorted(live) + inner.get(i, []), list(defined) + level.inner_running.get(i, []),
+               held + level.inner_held.get(i, []))
         live = {t for t in live if level.last_use.get(t, -1) > i}
 
 
+def summing_kernels(g, level: Level, t: int) -> frozenset[int] | None:
+    """Where ``t`` is a matmul's result whose one reader is an elementwise op: the stored results
+    of the kernels that compute that reader (it, or the ops it is fused into, followed through
+    fused elementwise ops); else None.
+
+    On a GPU, XLA sums a small split-K matmul's float32 partial sums (:mod:`shardplan.splitk`,
+    at most :data:`~shardplan.splitk.SUMMED_IN_READER` of them) inside those kernels: the
+    matmul's result is never stored. Where two matmuls feed one such kernel, the first one's
+    partial sums wait for the kernel, live while the second runs (llama-tiny's ``dx`` from its
+    gate and up projections, summed by one add in the backward scan). Where nothing else the
+    kernel reads is a matmul, XLA runs the kernel right after the matmul (a weight gradient
+    summed into ``w - lr * g``), and nothing waits."""
+    made = level.made_by.get(t)
+    readers = g.readers.get(t, [])
+    if made is None or made[0] != "dot_general" or len(readers) != 1 or readers[0][0] not in FUSIBLE:
+        return None
+    kernels, stack, seen = set(), list(readers[0][1]), set()
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        if r not in g.fused:
+            kernels.add(r)
+            continue
+        for prim, outs in g.readers.get(r, []):
+            if prim not in FUSIBLE:          # fused into a matmul's kernel (a transpose, a convert)
+                return None
+            stack.extend(outs)
+    return frozenset(kernels) or None
+
+
+def _waiting(g, level: Level) -> set[int]:
+    """The matmul results of the level whose partial sums wait for their summing kernel
+    (:func:`summing_kernels`): those of kernels that read two matmuls or more."""
+    kernels = {t: summing_kernels(g, level, t) for ts in level.defined for t in ts}
+    count: dict[int, int] = {}
+    for ks in kernels.values():
+        for k in ks or ():
+            count[k] = count.get(k, 0) + 1
+    return {t for t, ks in kernels.items() if ks and any(count[k] > 1 for k in ks)}
+
+
 def checkpoints(g, level: Level, always: set[int], num_points: int, *,
-                host: bool = False) -> list[tuple[list[int], list[int]]]:
+                host: bool = False) -> list[tuple[list[int], list[int], list[int]]]:
     """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
     and constants, counted apart), fullest first (``host``: of host memory), each with the results
-    of the ops running there."""
+    of the ops running there and the matmul results held there (:func:`live_sets`)."""
     scored = []
-    for live, running in live_sets(g, level, host=host):
+    for live, running, held in live_sets(g, level, host=host):
         live = [t for t in live if t not in always]
-        scored.append((sum(g.tensors[t].nbytes for t in live), live, running))
+        scored.append((sum(g.tensors[t].nbytes for t in live), live, running, held))
     scored.sort(key=lambda x: -x[0])
     seen, points = set(), []
-    for _, live, running in scored:
+    for _, live, running, held in scored:
         key = tuple(live)
         if key not in seen:
             seen.add(key)
-            points.append((live, running))
+            points.append((live, running, held))
         if len(points) >= num_points:
             break
-    return points or [([], [])]
+    return points or [([], [], [])]

@@ -31,6 +31,12 @@ _WEIGHTS = {
 _ARCH = {8: "ampere", 9: "hopper", 10: "blackwell"}
 _SPLITS = tuple(2 ** i for i in range(12))          # 1 .. 2048
 _TILE = 128
+# The largest split whose partial sums XLA adds up inside the kernel of the matmul result's reader
+# (an elementwise fusion), as an elementwise reduce of a few values; a larger split is reduced by
+# a kernel of its own right after the matmul. Checked on the H100 compiler over ten shapes,
+# splits 4 to 32 (``tests/test_splitk.py``). Where that kernel reads two matmuls, the first's
+# partial sums are live while the second runs (:func:`shardplan.liveness.summing_kernels`).
+SUMMED_IN_READER = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +90,35 @@ def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
     return 0.0 if s <= 1 else 4.0 * s * batch * m * n
 
 
+def splits(gpu: Gpu | None, batch: int, m: int, n: int, k: int, lhs_dtype, rhs_dtype, out_dtype) -> int:
+    """The number of float32 partial sums XLA splits a ``[batch, m, k] x [batch, k, n]`` matmul of
+    these dtypes into on ``gpu`` (1: not split, on any other device and for integer operands)."""
+    if gpu is None or not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
+        return 1
+    bits = [8 * jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype)]
+    return split_k(batch, m, n, k, gpu, lhs_bits=bits[0], rhs_bits=bits[1], out_bits=bits[2])
+
+
 def partials(gpu: Gpu | None, batch: int, m: int, n: int, k: int, lhs_dtype, rhs_dtype, out_dtype) -> float:
     """Bytes of the float32 partial sums XLA splits a ``[batch, m, k] x [batch, k, n]`` matmul of
     these dtypes into on ``gpu`` (0: not split, on any other device and for integer operands)."""
-    if gpu is None or not all(jnp.issubdtype(d, jnp.floating) for d in (lhs_dtype, rhs_dtype)):
-        return 0.0
-    bits = [8 * jnp.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype)]
-    s = split_k(batch, m, n, k, gpu, lhs_bits=bits[0], rhs_bits=bits[1], out_bits=bits[2])
-    return partial_bytes(batch, m, n, s)
+    return partial_bytes(batch, m, n, splits(gpu, batch, m, n, k, lhs_dtype, rhs_dtype, out_dtype))
+
+
+def matmul_dims(dims, sizes) -> tuple[int, int, int, int]:
+    """``(batch, m, n, k)`` of a graph matmul (:class:`shardplan.graph.DotOp`'s ``dims``: ``(lhs
+    dim, rhs dim, out dim)`` each, None where absent) whose dims have these sizes."""
+    batch = m = n = k = 1
+    for (l, r, o), size in zip(dims, sizes):
+        if o is None:
+            k *= size
+        elif l is not None and r is not None:
+            batch *= size
+        elif l is not None:
+            m *= size
+        else:
+            n *= size
+    return batch, m, n, k
 
 
 def dims_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int]:

@@ -22,7 +22,7 @@ from shardplan.bf16_pass import LAYOUT, read_as_bf16
 from shardplan.layout import minor_dims
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
-from shardplan.splitk import partials
+from shardplan import splitk
 from shardplan.tables import dot_table, edge_table
 from shardplan.traffic import hbm_traffic
 
@@ -373,19 +373,17 @@ class Enumerator:
     def _split_k_partials(self, dot, option) -> float:
         """Bytes of the float32 partial sums XLA splits this dot option's matmul into on the
         mesh's GPU (:mod:`shardplan.splitk`; 0 unsplit)."""
-        batch = m = n = k = 1
-        for (l, r, o), size, axes in zip(dot.dims, self.dot_sizes(dot), option):
-            local = math.ceil(size / self.m.shards(axes)) if axes else size
-            if o is None:
-                k *= local
-            elif l is not None and r is not None:
-                batch *= local
-            elif l is not None:
-                m *= local
-            else:
-                n *= local
+        batch, m, n, k, s = self._split_k(dot, option)
+        return splitk.partial_bytes(batch, m, n, s)
+
+    def _split_k(self, dot, option) -> tuple[int, int, int, int, int]:
+        """``(batch, m, n, k, split)`` of this dot option's matmul on the mesh's GPU, per device
+        (:mod:`shardplan.splitk`; split 1: not split)."""
+        local = [math.ceil(size / self.m.shards(axes)) if axes else size
+                 for size, axes in zip(self.dot_sizes(dot), option)]
+        batch, m, n, k = splitk.matmul_dims(dot.dims, local)
         lhs, rhs, out = (self.g.tensors[t].dtype for t in (dot.lhs, dot.rhs, dot.out))
-        return partials(self.m.gpu, batch, m, n, k, lhs, rhs, out)
+        return batch, m, n, k, splitk.splits(self.m.gpu, batch, m, n, k, lhs, rhs, out)
 
     # -- the problem ------------------------------------------------------------------------------
     def node_options(self) -> list[list]:
@@ -515,10 +513,15 @@ class Enumerator:
             signature = hash((dot.dims, shapes, dot.source, tuple(options)))
             memory = np.zeros((len(points), len(options)))
             running = [p for p, ops in enumerate(g.running) if dot.out in ops]
-            if running and self.m.gpu is not None:
-                # While a GPU matmul split K ways runs, its float32 partial sums are live too.
-                partials = np.array([self._split_k_partials(dot, o) for o in options]) * heap
+            held = [p for p, ops in enumerate(g.held) if dot.out in ops]
+            if (running or held) and self.m.gpu is not None:
+                # While a GPU matmul split K ways runs, its float32 partial sums are live too; a
+                # small split's also wait while another matmul the kernel summing them reads runs
+                # (liveness.summing_kernels).
+                split = [self._split_k(dot, o) for o in options]
+                partials = np.array([splitk.partial_bytes(b, m, n, s) for b, m, n, _, s in split]) * heap
                 memory[running] = partials[None, :]
+                memory[held] = np.where([s <= splitk.SUMMED_IN_READER for *_, s in split], partials, 0.0)[None, :]
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of

@@ -195,11 +195,11 @@ class _Walker:
         # writes a scan's per-trip outputs into the stacked result in place).
         # A cond's branches run one at a time: the fuller one counts.
         for kept, host in ((level.inner_peak, False), (level.inner_host, True)):
-            here, running = peak(self.g, inner, set(body_in) | set(outs), host=host)
+            here, running, held = peak(self.g, inner, set(body_in) | set(outs), host=host)
             if sum(self.g.tensors[t].nbytes for t in here) >= sum(self.g.tensors[t].nbytes for t in kept.get(i, [])):
                 kept[i] = here
                 if not host:
-                    level.inner_running[i] = running
+                    level.inner_running[i], level.inner_held[i] = running, held
         return outs
 
     def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
@@ -297,9 +297,10 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
             g.union(a, b)
     g.donated_outputs = _donated_outputs(g, donated)
     points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
-    g.points, g.running = [live for live, _ in points], [set(running) for _, running in points]
+    g.points = [live for live, _, _ in points]
+    g.running, g.held = [set(running) for _, running, _ in points], [set(held) for _, _, held in points]
     if g.host_apart:
-        g.host_points = [p for p, _ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
+        g.host_points = [p for p, _, _ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
     return g
 
 

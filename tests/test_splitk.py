@@ -57,7 +57,9 @@ def test_bf16_and_f32_matmuls_alike_pay_their_partial_sums():
 def test_partial_sums_count_in_memory_while_their_matmul_runs():
     """The weight gradient of a 768 x 768 layer over 32768 tokens is split 4 ways on an H100
     unsharded: its float32 partial sums (4 x 768 x 768 floats, with the heap's allowance) are
-    live at the points of the schedule where it runs, and nowhere else; on a CPU mesh, none."""
+    live at the points of the schedule where it runs, and nowhere else; on a CPU mesh, none.
+    XLA sums them inside the kernel of the update ``w - 0.1 * g`` (checked below on the GPU
+    compiler), which reads no other matmul, so nothing makes them wait for it."""
     from shardplan.cost import shared_model
     from shardplan.rules import apply_rule
     from shardplan.strategies import Enumerator
@@ -76,8 +78,61 @@ def test_partial_sums_count_in_memory_while_their_matmul_runs():
         node = problem.nodes[problem.node_of_dot[k]]
         unsharded = node.options.index(((),) * len(node.options[0]))
         running = [p for p, ops in enumerate(g.running) if g.dots[k].out in ops]
+        assert not any(g.dots[k].out in ops for ops in g.held)
         assert running and len(running) < len(g.points)
         assert splitk.split_k(1, 768, 768, 32768, splitk.gpu_of(mesh.device.name)) == split
         want = 4 * split * 768 * 768 * (1 + mesh.device.heap_overhead) if split > 1 else 0.0
         assert node.memory[running, unsharded] == pytest.approx([want] * len(running))
         assert not node.memory[[p for p in range(len(g.points)) if p not in running]].any()
+    if targets.available("gpu"):
+        spec = shardplan.load_mesh("h100-8", axes={"data": 8})
+        whole = jax.sharding.NamedSharding(targets.target_mesh(spec, "gpu")[0], jax.sharding.PartitionSpec())
+        text = jax.jit(step, in_shardings=(whole, whole), out_shardings=(whole, whole)).lower(
+            *(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((768, 768), (32768, 768)))).compile().as_text()
+        assert [b for b in re.findall(r"\n%fused\S* .*?\n}\n", text, re.S)
+                if "subtract(" in b and "f32[4,768,768]" in b and "reduce(" in b]
+
+
+@pytest.mark.parametrize("m, n, k", [
+    (512, 64, 192),       # split 4: both sets summed in the add's kernel, live together
+    (64, 192, 512),       # split 8: the same
+    (128, 512, 2048),     # split 16: each set reduced by a kernel of its own, one live at a time
+])
+def test_a_small_splits_partial_sums_wait_for_their_reader(m, n, k):
+    """``a @ w1 + b @ w2`` on an H100: with a split of at most 8, XLA sums both matmuls' partial
+    sums inside the add's kernel, so both sets are live when the second matmul runs (the compiled
+    heap holds two); with a larger one, it reduces each set by a kernel of its own right after
+    its matmul (one set). The model holds the first matmul's partial sums at the second's point
+    exactly when XLA does."""
+    from shardplan.cost import shared_model
+    from shardplan.rules import apply_rule
+    from shardplan.strategies import Enumerator
+    from shardplan.walk import build_graph
+
+    spec = shardplan.load_mesh("h100-8", axes={"data": 8})
+    s = splitk.split_k(1, m, n, k, splitk.gpu_of(spec.device.name), lhs_bits=32, rhs_bits=32, out_bits=32)
+    summed_in_reader = s <= splitk.SUMMED_IN_READER
+    step = lambda a, b, w1, w2: a @ w1 + b @ w2
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((m, k), (m, k), (k, n), (k, n))]
+
+    g = build_graph(jax.make_jaxpr(step)(*args), list("abcd"), apply_rule, device=spec.device.name, num_points=64)
+    problem, _ = Enumerator(g, shared_model(spec))._full_nodes()
+    first, second = g.dots
+    at_second = [p for p, ops in enumerate(g.running) if second.out in ops]
+    node = problem.nodes[problem.node_of_dot[0]]
+    unsharded = node.options.index(((),) * len(node.options[0]))
+    held = [node.memory[p, unsharded] for p in at_second]
+    want = 4.0 * s * m * n * (1 + spec.device.heap_overhead) if summed_in_reader else 0.0
+    assert at_second and held == pytest.approx([want] * len(at_second))
+
+    if not targets.available("gpu"):
+        pytest.skip("the GPU compiler is not installed (pip install 'shardplan[aot]')")
+    mesh, _ = targets.target_mesh(spec, "gpu")
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    compiled = jax.jit(step, in_shardings=(whole,) * 4, out_shardings=whole).lower(*args).compile()
+    bodies = re.findall(r"\n%fused\S* .*?\n}\n", compiled.as_text(), re.S)
+    reduces = sorted(n for n in (len(re.findall(r"reduce\(%param", b)) for b in bodies) if n)
+    assert reduces == ([2] if summed_in_reader else [1, 1]), reduces
+    partial_sums = 4 * s * m * n
+    assert compiled.memory_analysis().temp_size_in_bytes == pytest.approx(
+        (2 if summed_in_reader else 1) * partial_sums, rel=0.05)
