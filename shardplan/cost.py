@@ -169,6 +169,11 @@ class CostModel:
             value = self._memo[key] = compute()
             return value
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each mesh axis's size (do not modify)."""
+        return self._sizes
+
     def shards(self, axes: Iterable[str]) -> int:
         key = axes if isinstance(axes, tuple) else tuple(axes)
         n = self._memo.get(key)

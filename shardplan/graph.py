@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -72,6 +72,14 @@ class PairEdge:
     # that runs on ``src`` as it is: ``(kind, spec of dst it makes, mesh axes it is partial
     # over)`` for a (src spec, dst spec) pair, ``None`` where it does not apply.
     rewrite: Callable[[Spec, Spec], tuple[str, Spec, tuple[str, ...]] | None] | None = None
+    # ``required`` takes the mesh's axis sizes too: ``required(dst_spec, sizes)`` (a reshape, whose
+    # operand's split depends on which of its dims each mesh axis's factor fits in).
+    sized: bool = False
+
+    def need(self, dst_spec: Spec, sizes: Mapping[str, int]) -> Spec:
+        """The spec the op needs of ``src`` to make ``dst`` at ``dst_spec`` locally, on a mesh of
+        these axis sizes (``required`` with them where it takes them)."""
+        return self.required(dst_spec, sizes) if self.sized else self.required(dst_spec)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,7 +189,7 @@ class Enumerator:
         can run on it in place (``passthrough``, or a ``rewrite`` whose partial result is then
         reduced) and that is cheaper; the table takes the cheapest the same way."""
         t = self.g.tensors[edge.src]
-        need = edge.required(dst_spec)
+        need = edge.need(dst_spec, self.m.sizes)
         comms = self.scaled(self.m.reshard_items(t.shape, self.src_itemsize(edge), src_spec, need), edge.mult)
         best = (comms, (need if comms else None), None, None)
         if not comms:

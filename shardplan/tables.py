@@ -47,7 +47,7 @@ def edge_table(enum, e, spec_of: dict) -> np.ndarray:
         # the operand's shape and the two specs, shared by every edge that moves alike.
         src = g.tensors[e.src]
         haves, h_index = _distinct(spec_of[e.src])
-        needs, n_index = _distinct([e.required(d) for d in spec_of[e.dst]])
+        needs, n_index = _distinct([e.need(d, m.sizes) for d in spec_of[e.dst]])
         cells = m.reshard_table(src.shape, enum.src_itemsize(e), haves, needs)
         table = e.mult * cells[np.ix_(h_index, n_index)]
     elif e.required is not None:
@@ -56,7 +56,7 @@ def edge_table(enum, e, spec_of: dict) -> np.ndarray:
         src, out = g.tensors[e.src], g.tensors[e.dst]
         haves, h_index = _distinct(spec_of[e.src])
         dsts, d_index = _distinct(spec_of[e.dst])
-        needs, n_index = _distinct([e.required(d) for d in dsts])
+        needs, n_index = _distinct([e.need(d, m.sizes) for d in dsts])
         moved = m.reshard_table(src.shape, enum.src_itemsize(e), haves, needs)[:, n_index]
         made = [[e.passthrough(have, d) for d in dsts] for have in haves]
         _cheaper_in_place(moved, made, lambda outs: m.reshard_table(

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardplan.combine import feeds_stacked_output, feeds_update
@@ -158,3 +159,32 @@ def test_rematerialised_layers_keep_only_their_inputs():
         m = jax.jit(step).lower(params, x).compile().memory_analysis()
         assert abs(m.temp_size_in_bytes + m.output_size_in_bytes - peaks[remat]) <= 0.15 * peaks[remat]
     assert peaks[True] < 0.5 * peaks[False]
+
+
+@pytest.mark.parametrize("shape_in, shape_out, out_spec, need", [
+    # a batch of 32 rows over ('data', 'model') read from (2, 1, 16) rows: data on the 2, model on the 16
+    ((2, 1, 16, 6), (32, 6), (("data", "model"), ()), (("data",), (), ("model",), ())),
+    # the same mesh axes over (4, 8) rows: model's 4 would straddle the 4's last 2 and the 8: gathered
+    ((4, 8, 6), (32, 6), (("data", "model"), ()), (("data",), (), ())),
+    # heads merged: (4, 3, 16) -> 192 over model (4) on the heads
+    ((4, 3, 16), (192,), (("model",),), (("model",), (), ())),
+    # ... over data and model (8) does not fit the 4 heads whole: model is gathered
+    ((4, 3, 16), (192,), (("data", "model"),), (("data",), (), ())),
+])
+def test_a_reshape_needs_each_mesh_axis_where_its_factor_fits(shape_in, shape_out, out_spec, need):
+    """A reshape's operand keeps each mesh axis of a merged output dim on the input dim its factor
+    fits in, major to minor. The GPT-3 175B pipeline's outputs, (16, 1, 64, ...) row groups read
+    back as a batch of 1024 over ('data', 'model') (16 x 8), were once required with all 128
+    shards on the 16: XLA could only reach that by replicating first ("Involuntary full
+    rematerialization": a 6 GiB all-gather and all-reduce). With the operand at the spec the
+    rule gives, XLA reshapes locally: no collective."""
+    from shardplan.rules import _reshape_rule
+    from shardplan.cost import to_partition_spec
+    sizes = {"data": 2, "model": 4}
+    assert _reshape_rule(shape_in, shape_out)(out_spec, sizes) == need
+    mesh = make_jax_mesh(("data", "model"), (2, 4))
+    if sum(map(len, need)) == sum(map(len, out_spec)):       # every axis kept: a local reshape
+        f = jax.jit(lambda x: x.reshape(shape_out), in_shardings=NamedSharding(mesh, to_partition_spec(need)),
+                    out_shardings=NamedSharding(mesh, to_partition_spec(out_spec)))
+        text = f.lower(jax.ShapeDtypeStruct(shape_in, jnp.float32)).compile().as_text()
+        assert not collectives(text, mesh), text
