@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from shardplan import splitk
+
 @dataclasses.dataclass
 class Level:
     """Liveness bookkeeping of one jaxpr being walked."""
@@ -138,7 +140,8 @@ def live_sets(g, level: Level, *, host: bool = False):
     (:func:`summing_kernels`), where that kernel reads another matmul too."""
     live: set[int] = set()
     inner = level.inner_host if host else level.inner_peak
-    waiting = _waiting(g, level)
+    # Split-K partial sums are device memory, on NVIDIA GPUs only.
+    waiting = set() if host or splitk.gpu_of(g.device) is None else _waiting(g, level)
     for i, defined in enumerate(level.defined):
         if host:
             live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
