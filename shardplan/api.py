@@ -21,7 +21,7 @@ from shardplan.walk import build_graph
 from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.fit import fit_compiled
 from shardplan.hardware import runs_on, spec_for_mesh
-from shardplan.mesh import MeshSpec, load_mesh, make_jax_mesh
+from shardplan.mesh import MeshSpec, auto_axes, load_mesh, make_jax_mesh
 from shardplan.plan import Plan, signature as plan_signature
 from shardplan.planner import PlannerOptions
 from shardplan.progress import Status
@@ -69,7 +69,7 @@ def _mesh_for_plan(plan: Plan, mesh, source: str) -> jax.sharding.Mesh:
     if axes != want:
         raise PlanMismatchError(f"{source} was made for mesh axes {want}; mesh= has {axes}: pass a mesh with "
                                 "those axes, or omit mesh= to lay the plan's axes over jax.devices()")
-    return mesh if mesh is not None else plan.jax_mesh()
+    return auto_axes(mesh) if mesh is not None else plan.jax_mesh()
 
 
 def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):
@@ -81,6 +81,13 @@ def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):
         raise PlanMismatchError(f"{source} does not match this step: {problem}. Plan the step again "
                                 "(shardplan.plan / shardplan.auto without plan=)")
     return dataclasses.replace(plan, in_tree=traced.arg_tree, out_tree=traced.out_tree), graph
+
+
+def _axis_types(sharding) -> tuple:
+    """A sharding's mesh axis types (``()`` where it has no mesh): an array on an ``Explicit``
+    mesh's axes is moved onto the plan's ``Auto`` view of it (:func:`~shardplan.mesh.auto_axes`),
+    else jit refuses the two meshes together."""
+    return tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()))
 
 
 class _Compiled:
@@ -107,7 +114,8 @@ class _Compiled:
         out = []
         many = jax.process_count() > 1
         for k, (x, sh) in enumerate(zip(leaves, self.in_shardings)):
-            if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(sh, x.ndim):
+            if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(sh, x.ndim) \
+                    or _axis_types(x.sharding) not in ((), _axis_types(sh)):
                 if many and not sh.is_fully_replicated and not (isinstance(x, jax.Array)
                                                                and not x.is_fully_addressable):
                     # Each process would pass its own data as the whole array: a wrong result, no error.
@@ -167,7 +175,7 @@ class AutoFunction:
                 raise TypeError("shardplan.auto needs mesh= (a jax.sharding.Mesh, a preset name or a mesh "
                                 "file), or plan= (a Plan or a plan file)")
             self.mesh_spec = _mesh_spec(mesh, hardware)
-            self._jax_mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None
+            self._jax_mesh = auto_axes(mesh) if isinstance(mesh, jax.sharding.Mesh) else None
             self.budget = budget_for(memory_budget, self.mesh_spec)
         self.call = CallSpec.make(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self.options = PlannerOptions(time_limit=time_limit)

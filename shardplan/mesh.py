@@ -185,6 +185,18 @@ def make_jax_mesh(axis_names, axis_sizes, devices: list | None = None, *, name: 
     return jax.make_mesh(tuple(axis_sizes), tuple(axis_names), axis_types=auto, devices=devices[:n])
 
 
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` with every axis ``AxisType.Auto``: the same devices in the same order.
+
+    ``jax.make_mesh`` makes ``Explicit`` axes unless told otherwise, and JAX refuses a sharding
+    constraint over an explicit axis; shardplan constrains every tensor of the step it plans, so
+    it runs the plan over this view of the user's mesh."""
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
 _TOP_KEYS = {"name", "source", "description", "device", "links", "topology", "axes", "calibration"}
 _DEVICE_KEYS = {"name", "peak_flops", "hbm_bytes", "hbm_bandwidth", "heap_overhead", "host_bandwidth",
                 "offload_bandwidth", "usable_bytes", "allocator_fraction"}

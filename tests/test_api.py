@@ -108,6 +108,28 @@ def test_committed_arrays_on_another_sharding_are_moved_once(tmp_path):
     assert np.isfinite(float(m["loss"]))
 
 
+def test_a_mesh_from_jax_make_mesh_with_its_default_explicit_axes(tmp_path):
+    """jax.make_mesh makes Explicit axes unless told otherwise, and JAX refuses a sharding
+    constraint over one: the plan runs over the mesh's Auto view, and arrays the user placed on
+    the Explicit mesh are moved there (jit refuses the two meshes in one call)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+    state = jax.device_put(_state(), NamedSharding(mesh, P()))
+    want_state, want = jax.jit(_mixed_precision_step)(state, batch)
+    f = shardplan.auto(_mixed_precision_step, mesh=mesh, donate_argnums=0, time_limit=2, cache=tmp_path)
+    got_state, got = f(state, batch)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got_state["master"]["kernel"], want_state["master"]["kernel"], rtol=1e-5)
+    for _ in range(3):
+        got_state, got = f(got_state, batch)
+    assert np.isfinite(float(got["loss"]))
+    assert got_state["master"]["kernel"].sharding.mesh.axis_types == (AxisType.Auto,) * 2
+    assert list(got_state["master"]["kernel"].sharding.mesh.devices.flat) == list(mesh.devices.flat)
+    again = shardplan.auto(_mixed_precision_step, mesh=mesh, plan=f.plan, donate_argnums=0)
+    np.testing.assert_allclose(again(_state(), batch)[1]["loss"], want["loss"], rtol=1e-5)
+
+
 def test_plans_are_read_back_from_the_cache_without_solving(tmp_path, monkeypatch):
     args = (jax.eval_shape(_state), _batch())
     first = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
