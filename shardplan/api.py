@@ -106,6 +106,17 @@ class _Compiled:
         self.compiled_for: dict[str, tuple] = {}    # deviceless target -> (compiled, jax mesh, compiler)
         self.fit_attempts: list = []                # the compiled-budget loop's, where it ran
 
+    def lower(self, *leaves):
+        """``self.jitted.lower`` under the plan's own mesh, whatever mesh the caller has set
+        (``jax.set_mesh`` of a mesh with Explicit axes would turn every constraint into an assertion)."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*leaves)
+
+    def trace(self, *leaves):
+        """``self.jitted.trace`` under the plan's own mesh (:meth:`lower`)."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted.trace(*leaves)
+
     def placed(self, leaves: list) -> list:
         """The leaves on their planned shardings: arrays made elsewhere (on one device, or by
         another jit) are moved once; the step's own outputs already sit there. Python scalars and
@@ -138,7 +149,7 @@ class _Compiled:
             with Status() as line:
                 line.say("compiling the planned step")
                 start = time.perf_counter()
-                self._executable = footprint.compile(self.jitted.lower(*leaves),
+                self._executable = footprint.compile(self.lower(*leaves),
                                                      platform=self.mesh.devices.flat[0].platform)
                 line.done(f"compiled in {time.perf_counter() - start:.1f} s")
         return self._executable
@@ -304,11 +315,11 @@ class AutoFunction:
 
     def trace(self, *args, **kwargs):
         c = self._compiled(args, kwargs)
-        return c.jitted.trace(*self._abstract(c, args, kwargs))
+        return c.trace(*self._abstract(c, args, kwargs))
 
     def lower(self, *args, **kwargs):
         c = self._compiled(args, kwargs)
-        return c.jitted.lower(*self._abstract(c, args, kwargs))
+        return c.lower(*self._abstract(c, args, kwargs))
 
     def compile_for(self, target: str, *args, **kwargs):
         """The planned step compiled for ``target`` (:mod:`shardplan.targets`): ``"cpu"``, these
@@ -371,7 +382,7 @@ def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: lis
     other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
     with Status() as line:
         line.say(f"compiling the planned step for {compiler}")
-        compiled = footprint.compile(other.jitted.lower(*abstract), options, platform=target)
+        compiled = footprint.compile(other.lower(*abstract), options, platform=target)
         line.done(f"compiled for {compiler}")
     return compiled, mesh, compiler
 

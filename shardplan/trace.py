@@ -8,6 +8,7 @@ leave with the sharding they came in with so that the next call accepts them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -135,6 +136,18 @@ class TracedStep:
         return leaves
 
 
+def _auto_context():
+    """The caller's mesh context (``jax.set_mesh``) with its axes ``Auto``: each equation keeps the
+    context it was traced in, and under ``Explicit`` axes the plan's sharding constraints would be
+    assertions and its shardings another mesh's. A step's own ``with_sharding_constraint(x, P(...))``
+    still finds the mesh's axes."""
+    context = jax.sharding.get_abstract_mesh()
+    auto = jax.sharding.AxisType.Auto
+    if context.empty or all(t == auto for t in context.axis_types):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(context.update_axis_types({a: auto for a in context.axis_names}))
+
+
 def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: CallSpec | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` with its dynamic arguments abstract."""
     kwargs = dict(kwargs or {})
@@ -163,7 +176,7 @@ def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: C
         names.append((f"[{arg}]" + _leaf_name(path[2:])) if which == 0 else _leaf_name(path[1:]))
         arg_of.append(arg)
     abstract = [abstract_leaf(x) for _, x in with_path]
-    with Status() as line:
+    with Status() as line, _auto_context():
         line.say(f"tracing {getattr(fn, '__name__', 'the step')} ({len(abstract)} input arrays)")
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
         line.done(f"traced: {len(closed.jaxpr.eqns)} equations at the top level")

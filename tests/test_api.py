@@ -128,6 +128,11 @@ def test_a_mesh_from_jax_make_mesh_with_its_default_explicit_axes(tmp_path):
     assert list(got_state["master"]["kernel"].sharding.mesh.devices.flat) == list(mesh.devices.flat)
     again = shardplan.auto(_mixed_precision_step, mesh=mesh, plan=f.plan, donate_argnums=0)
     np.testing.assert_allclose(again(_state(), batch)[1]["loss"], want["loss"], rtol=1e-5)
+    # A preset's plan, called where the user has set that Explicit mesh (jax.set_mesh): the step
+    # is traced and lowered in the plan's own context.
+    in_context = shardplan.auto(_mixed_precision_step, mesh=MESH, time_limit=2, cache=tmp_path)
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(in_context(_state(), _batch())[1]["loss"], want["loss"], rtol=1e-5)
 
 
 def test_plans_are_read_back_from_the_cache_without_solving(tmp_path, monkeypatch):
