@@ -42,14 +42,15 @@ class PlannerOptions:
                              "e.g. time_limit=30")
 
 
-def role_of(path: str, arg: int | str) -> str:
-    """A readable role for an input leaf from its pytree path and argument (index or keyword name)."""
+def role_of(path: str, fed: bool) -> str:
+    """A readable role for an input leaf from its pytree path and whether the hosts feed it every
+    step (``fed``: not the first argument, neither returned anew nor donated: the batch)."""
     low = path.lower()
     if "opt_state" in low:
         return "opt_state"
     if "param" in low:
         return "params"
-    return "state" if arg == 0 else "batch"
+    return "batch" if fed else "state"
 
 
 def graph_fingerprint(g: Graph) -> str:
@@ -103,7 +104,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         """Whether the unconstrained optimum ``choice`` is no faster than ``beat``."""
         if beat == math.inf:
             return False
-        plan = _make_plan(graph, enum, problem, choice, sol.stats, mesh, input_args, in_tree, out_tree, out_names)
+        plan = _make_plan(graph, enum, problem, choice, sol.stats, mesh, in_tree, out_tree, out_names)
         made[tuple(choice)] = plan
         return plan.cost.step_s >= beat
 
@@ -123,7 +124,7 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
             raise
         stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
         plan = dataclasses.replace(made[tuple(choice)], solver=stats) if tuple(choice) in made else \
-            _make_plan(graph, enum, problem, choice, stats, mesh, input_args, in_tree, out_tree, out_names)
+            _make_plan(graph, enum, problem, choice, stats, mesh, in_tree, out_tree, out_names)
         # The plan's step: the objective and what no choice changes (shard_map bodies).
         if stats.status.startswith("NOT_SOLVED"):
             line.done(f"not planned: every plan takes at least {stats.bound * 1e3:.3f} ms, no faster than the best so "
@@ -337,7 +338,7 @@ def _reassociated(graph: Graph, all_reduced: dict[int, list], account) -> None:
 
 
 def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
-               input_args, in_tree, out_tree, out_names=None) -> Plan:
+               in_tree, out_tree, out_names=None) -> Plan:
     model = enum.m
     spec_of: dict[int, Spec] = {}
     for node, i in zip(problem.nodes, choice):
@@ -476,7 +477,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         s = enum.input_seconds(t, spec_of[t])
         loading += s
         cost_of[t] += s
-    inputs = tuple(row(t, role_of(graph.tensors[t].name, a)) for t, a in zip(graph.inputs, input_args))
+    inputs = tuple(row(t, role_of(graph.tensors[t].name, t in enum.fed)) for t in graph.inputs)
     by_role: dict[str, float] = {}
     for r in inputs:
         by_role[r.role] = by_role.get(r.role, 0.0) + r.bytes_per_device

@@ -135,6 +135,20 @@ def test_a_mesh_from_jax_make_mesh_with_its_default_explicit_axes(tmp_path):
         np.testing.assert_allclose(in_context(_state(), _batch())[1]["loss"], want["loss"], rtol=1e-5)
 
 
+def test_roles_follow_what_the_step_returns_not_the_argument_position(tmp_path):
+    """An optimizer state passed as its own positional argument and returned anew is state; the
+    one argument neither returned nor donated is the batch."""
+    def train_step(weights, moments, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w["w"]) ** 2))(weights)
+        moments = jax.tree.map(lambda m, d: 0.9 * m + d, moments, g)
+        return jax.tree.map(lambda w, m: w - 0.1 * m, weights, moments), moments, loss
+    w = {"w": jnp.ones((64, 64))}
+    p = shardplan.plan(train_step, w, jax.tree.map(jnp.zeros_like, w), jnp.ones((16, 64)), mesh=MESH,
+                       time_limit=2, cache=tmp_path)
+    assert {r.name: r.role for r in p.inputs} == {"[0]['w']": "state", "[1]['w']": "state", "[2]": "batch"}
+    assert p.cost.memory_bytes_by_role["batch"] == next(r.bytes_per_device for r in p.inputs if r.name == "[2]")
+
+
 def test_plans_are_read_back_from_the_cache_without_solving(tmp_path, monkeypatch):
     args = (jax.eval_shape(_state), _batch())
     first = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
