@@ -30,28 +30,48 @@ from shardplan.tying import tie, untie
 
 
 def _order(problem: Problem, max_entries: int) -> list[int] | None:
-    """An elimination order (least table first), or ``None`` if a table would exceed ``max_entries``."""
+    """An elimination order whose tables stay within ``max_entries``, or ``None`` if neither
+    heuristic finds one: least table first (most steps), else least fill first (the fewest new
+    pairs among a node's neighbours: densely coupled steps, a mixture of experts' dispatch and
+    combine einsums, where the least table first grows one past the limit)."""
+    return _greedy_order(problem, max_entries, fill=False) or _greedy_order(problem, max_entries, fill=True)
+
+
+def _greedy_order(problem: Problem, max_entries: int, *, fill: bool) -> list[int] | None:
     k = [len(n.options) for n in problem.nodes]
     adj: dict[int, set[int]] = {i: set() for i in range(len(k))}
     for a, b in problem.edges:
         adj[a].add(b)
         adj[b].add(a)
+
     def entries(v: int) -> float:      # floats: a wide node's product overflows int64
         return math.prod(float(k[u]) for u in adj[v]) * k[v]
 
-    # A node's table changes only when a neighbour goes: recount those alone.
-    size = {v: entries(v) for v in adj}
+    def key(v: int) -> tuple:
+        if not fill:
+            return (entries(v), v)
+        near = sorted(adj[v])
+        added = sum(1 for i, a in enumerate(near) for b in near[i + 1:] if b not in adj[a])
+        return (added, entries(v), v)
+
+    # A node's key changes only when a neighbour goes (its fill: a neighbour's neighbour too):
+    # recount those alone.
+    rank = {v: key(v) for v in adj}
     order = []
-    while size:
-        n = min(size, key=lambda v: (size[v], v))
-        if size.pop(n) > max_entries:
+    while rank:
+        n = min(rank, key=rank.__getitem__)
+        if rank.pop(n)[-2] > max_entries:
             return None
         around = adj.pop(n)
         for u in around:
             adj[u] |= around - {u}
             adj[u].discard(n)
-        for u in around:
-            size[u] = entries(u)
+        changed = set(around)
+        if fill:
+            for u in around:
+                changed |= adj[u]
+        for u in changed:
+            rank[u] = key(u)
         order.append(n)
     return order
 
