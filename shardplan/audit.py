@@ -91,8 +91,12 @@ class Audit:
                        f"tolerance {memory_tolerance:.0%})")
         return out
 
+    def __str__(self) -> str:
+        return self.table()
+
     def table(self) -> str:
-        """Prediction against compiled per collective kind, per mesh axis, and for memory."""
+        """Prediction against compiled per collective kind, per mesh axis, and for memory
+        (``print(audit)`` prints it)."""
         head = f"{'':<22}{'predicted':>14}{'compiled':>14}{'error':>9}{'pred ms':>10}{'comp ms':>10}{'runs':>8}"
         lines = [f"audit against the compiled program ({self.platform})", head, "-" * len(head)]
 

@@ -16,6 +16,7 @@ import importlib.resources
 import math
 import os
 import tomllib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -417,6 +418,8 @@ def mesh_from_dict(data: Mapping[str, Any], *, source: str = "<dict>",
     if "axes" in data:
         raw_axes = data["axes"] if axes is None else [{"name": k, "size": v} for k, v in axes.items()]
         names, sizes, measured = _axes(raw_axes, problems)
+        if axes is not None:
+            _warn_misspelt_axes(names, data["axes"], source)
     if sizes is not None and per_node is not None and nodes is not None:
         total = per_node * nodes
         if math.prod(sizes) != total:
@@ -473,6 +476,18 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise MeshConfigError("is not valid TOML: its arrays or tables nest too deeply", source=path) from None
 
 
+def _warn_misspelt_axes(names, own_axes, source: str) -> None:
+    """An overriding axis name that is not the mesh file's but nearly one of them (``modle``):
+    axis names are the user's to choose, so it is warned about, not refused."""
+    own = [a["name"] for a in own_axes if isinstance(a, Mapping) and isinstance(a.get("name"), str)] \
+        if isinstance(own_axes, list) else []
+    for name in names:
+        close = difflib.get_close_matches(str(name), [a for a in own if a not in names], n=1, cutoff=0.75)
+        if name not in own and close:
+            warnings.warn(f"{source}: axis {name!r} is not one of its axes ({', '.join(own)}); "
+                          f"did you mean {close[0]!r}?", stacklevel=4)
+
+
 def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int] | None = None) -> MeshSpec:
     """Load a preset by name or a mesh file by path; ``axes`` overrides its logical mesh axes.
 
@@ -488,6 +503,9 @@ def load_mesh(name_or_path: str | os.PathLike | MeshSpec, axes: Mapping[str, int
         return mesh_from_dict(_read_toml(text_source), source=text_source, axes=axes)
     names = preset_names()
     if text_source not in names:
+        if text_source.endswith(".toml") or os.sep in text_source:
+            raise MeshConfigError("no such mesh file: `shardplan mesh new --hardware PRESET --out FILE` writes "
+                                  f"one; presets: {', '.join(names)}", source=repr(text_source))
         raise MeshConfigError(f"is neither a mesh file nor a preset; presets: {', '.join(names)}",
                               source=repr(text_source))
     resource = _preset_dir() / f"{text_source}.toml"

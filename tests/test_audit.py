@@ -24,7 +24,7 @@ def test_audit_matches_prediction_on_a_planned_step():
     assert sum(c.nbytes * c.count for c in a.collectives) == got > 0
     assert [r.name for r in a.by_axis] == ["data"]
     assert abs(a.memory_error()) <= 0.15, a.table()
-    assert "predicted" in a.table() and "memory per device" in a.table()
+    assert "predicted" in a.table() and "memory per device" in a.table() and str(a) == a.table()
     # The audit says which heap allowance this compile implies, from the same figures.
     assert any("heap_overhead = " in n for n in a.notes), a.notes
     # A divergence is reported, not hidden: claim twice the bytes and the audit flags it.

@@ -112,8 +112,10 @@ def test_mesh_validate_prints_every_problem_in_a_process(tmp_path):
 
 
 def test_missing_file_is_named():
-    with pytest.raises(MeshConfigError, match="neither a mesh file nor a preset"):
+    with pytest.raises(MeshConfigError, match=r"'/nonexistent/mesh.toml'.*no such mesh file: `shardplan mesh new"):
         load_mesh("/nonexistent/mesh.toml")
+    with pytest.raises(MeshConfigError, match="no such mesh file"):
+        load_mesh("mesh.toml")
 
 
 def test_cli_error_has_no_traceback():

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 import shardplan
@@ -38,6 +40,16 @@ def test_cross_node_axis_uses_inter_node_link():
 def test_axes_override_must_multiply_to_device_count():
     with pytest.raises(MeshConfigError, match=r"multiply to 6.*make the sizes multiply to 8"):
         load_mesh("h100-8", axes={"data": 2, "model": 3})
+
+
+def test_a_misspelt_axis_override_is_warned_about_and_a_new_name_is_not():
+    with pytest.warns(UserWarning, match=r"axis 'modle' is not one of its axes \(data, model\); did you mean 'model'"):
+        spec = load_mesh("cpu-8", axes={"data": 2, "modle": 4})
+    assert spec.axis_names == ("data", "modle")       # still the user's to name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_mesh("cpu-8", axes={"data": 2, "expert": 4})
+        load_mesh("cpu-8", axes={"data": 2, "fsdp": 2, "model": 2})
 
 
 def test_unknown_preset_lists_presets():
