@@ -188,10 +188,10 @@ def _cmd_plan(args) -> int:
             print(f"shardplan: error: --verify {target}: the {target.upper()} compiler is not installed; "
                   "pip install 'shardplan[aot]' (or --verify cpu)", file=sys.stderr)
             return 2
-    # "auto": the planner chooses each layer class's recomputation with the sharding
-    # (shardplan.recompute); otherwise the model is built with that policy in every layer.
-    remat = "none" if args.remat == "auto" else args.remat
-    ref = reference(args.model, scan=args.scan, remat=remat)
+    # The planner applies the policy to every layer class, or with "auto" chooses each class's
+    # with the sharding (shardplan.recompute), as remat= does in Python: the same refusals
+    # (offload on a CPU mesh) and the plan says which it applied.
+    ref = reference(args.model, scan=args.scan, remat="none")
     print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat}, "
           f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
           file=sys.stderr, flush=True)
@@ -208,7 +208,7 @@ def _cmd_plan(args) -> int:
         else:
             kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
                           pipeline=_pipeline_for(args.pipeline, mesh, args.context),
-                          remat="auto" if args.remat == "auto" else None, context=args.context)
+                          remat=_remat_for(args.remat), context=args.context)
             if args.verify is None:
                 plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
             else:
@@ -255,14 +255,15 @@ def _cmd_audit(args) -> int:
         print(f"shardplan: error: --target {target}: the {target.upper()} compiler is not installed; "
               "pip install 'shardplan[aot]' (or --target cpu)", file=sys.stderr)
         return 2
-    ref = reference(args.model, scan=args.scan, remat=args.remat)
+    ref = reference(args.model, scan=args.scan, remat="none")
     print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on the {target} compiler ...",
           file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
-                       time_limit=args.time_limit, pipeline=_pipeline_for(args.pipeline, mesh))
+                       time_limit=args.time_limit, pipeline=_pipeline_for(args.pipeline, mesh),
+                       remat=_remat_for(args.remat))
     with _interruptible():
         f.make_plan(state, batch)
         if f.plan.pipeline is not None:
@@ -270,6 +271,11 @@ def _cmd_audit(args) -> int:
         report = f.audit_for(target, state, batch)
     print(report.table())
     return 1 if report.divergences() else 0
+
+
+def _remat_for(setting: str):
+    """``--remat`` as ``remat=``: none leaves the reference model's layers as written."""
+    return None if setting == "none" else setting
 
 
 def _cmd_mesh(args, extra: list[str]) -> int:
@@ -411,9 +417,7 @@ def _main(argv: list[str]) -> int:
                                      "HLO (exit 1 when a figure diverges)")
     for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--memory-budget", "--time-limit"):
         action = next(x for x in p._actions if flag in x.option_strings)
-        kwargs = dict(default=action.default, help=action.help)
-        if flag == "--remat":      # the audit compiles one step: a policy, not a search
-            kwargs.update(choices=REMAT_CHOICES, help="activation recomputation per layer: " + ", ".join(REMAT_CHOICES))
+        kwargs = dict(default=action.default, help=action.help, choices=action.choices)
         if isinstance(action, argparse.BooleanOptionalAction):
             a.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:

@@ -236,6 +236,12 @@ def test_plan_command_with_remat_plans_less_memory(capsys):
                      "--time-limit", "2"]) == 0
         out = capsys.readouterr().out
         peaks[remat] = out.split("peak memory ")[1].split("/device")[0]
+        said = next(x for x in out.splitlines() if x.startswith("recomputation: "))
+        assert said == "recomputation: as the step is written" if remat == "none" else said.endswith(": full"), said
+    # The policy goes through the planner, as remat= does in Python: offload is refused on a CPU mesh
+    # (its host and device memory are one), not planned as if it saved something.
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--remat", "offload"]) == 2
+    assert "remat='offload' holds residuals in host memory" in capsys.readouterr().err
     from shardplan.sizes import parse_bytes
     assert parse_bytes(peaks["full"]) < parse_bytes(peaks["none"])
     # auto: the layer stack's policy chosen with the sharding; a budget no plan without recomputation meets.
