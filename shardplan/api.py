@@ -22,6 +22,7 @@ from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.fit import fit_compiled
 from shardplan.hardware import runs_on, spec_for_mesh
 from shardplan.mesh import MeshSpec, auto_axes, load_mesh, make_jax_mesh
+from shardplan.pipeline_search import staged_axes
 from shardplan.plan import Plan, signature as plan_signature
 from shardplan.planner import PlannerOptions
 from shardplan.progress import Status
@@ -66,10 +67,25 @@ def _mesh_for_plan(plan: Plan, mesh, source: str) -> jax.sharding.Mesh:
         spec = _mesh_spec(mesh)
         axes, mesh = dict(zip(spec.axis_names, spec.axis_sizes)), None
     want = dict(zip(plan.axis_names, plan.axis_sizes))
+    if axes != want and _staged(axes, plan) == want:
+        # The mesh the plan was made on: its stage axis split off as the planner split it, laid
+        # over the same devices (as a plan made here runs).
+        return plan.jax_mesh() if mesh is None else \
+            make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
     if axes != want:
         raise PlanMismatchError(f"{source} was made for mesh axes {want}; mesh= has {axes}: pass a mesh with "
                                 "those axes, or omit mesh= to lay the plan's axes over jax.devices()")
     return auto_axes(mesh) if mesh is not None else plan.jax_mesh()
+
+
+def _staged(axes: dict[str, int], plan: Plan) -> dict[str, int] | None:
+    """``axes`` with the plan's pipeline stage axis split off as the planner splits it (``None``
+    where the plan has no pipeline or the axes cannot take it)."""
+    config = plan.pipeline_config()
+    try:
+        return None if config is None else staged_axes(axes, config.stages, config.axis)
+    except ShardplanError:
+        return None
 
 
 def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):

@@ -34,16 +34,23 @@ def with_stage_axis(mesh: MeshSpec, stages: int, axis: str = STAGE_AXIS) -> Mesh
     else split off the outermost axis whose size ``stages`` divides (laid as
     :meth:`MeshSpec.with_axes` lays axes, so a stage axis across nodes rides the inter-node link)."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    staged = staged_axes(sizes, stages, axis, name=mesh.name)
+    return mesh if staged == sizes else mesh.with_axes(staged)
+
+
+def staged_axes(sizes: dict[str, int], stages: int, axis: str = STAGE_AXIS, *, name: str = "mesh") -> dict[str, int]:
+    """The mesh axes ``{name: size}`` with a stage axis of ``stages`` devices, as
+    :func:`with_stage_axis` lays them (the stage axis first, split off the outermost axis it divides)."""
     if axis in sizes:
         if sizes[axis] != stages:
-            raise PipelineError(f"mesh {mesh.name} has a {axis!r} axis of {sizes[axis]} devices, not {stages}: use "
+            raise PipelineError(f"mesh {name} has a {axis!r} axis of {sizes[axis]} devices, not {stages}: use "
                                 f"stages={sizes[axis]}")
-        return mesh
-    for name, size in sizes.items():
+        return dict(sizes)
+    for split, size in sizes.items():
         if size % stages == 0:
-            rest = {k: (v // stages if k == name else v) for k, v in sizes.items()}
-            return mesh.with_axes({axis: stages, **{k: v for k, v in rest.items() if v > 1 or k != name}})
-    raise PipelineError(f"no axis of mesh {mesh.name} {sizes} splits into {stages} stages; use stages dividing one "
+            rest = {k: (v // stages if k == split else v) for k, v in sizes.items()}
+            return {axis: stages, **{k: v for k, v in rest.items() if v > 1 or k != split}}
+    raise PipelineError(f"no axis of mesh {name} {sizes} splits into {stages} stages; use stages dividing one "
                         "of the axis sizes")
 
 

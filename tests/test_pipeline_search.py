@@ -171,6 +171,13 @@ def test_a_pipelined_plan_runs_saves_and_loads(tmp_path):
     again = shardplan.auto(ref.train_step, plan=path, donate_argnums=(0,))
     state, metrics = again(jax.tree.map(lambda x: x.copy(), state0), ref.batch(16, seed=0))
     np.testing.assert_allclose(float(metrics["loss"]), expected[0], rtol=1e-5)
+    # With the mesh it was planned on (no stage axis): the stage axis split off it as the planner did.
+    for given in (mesh, mesh.to_jax_mesh()):
+        on_mesh = shardplan.auto(ref.train_step, plan=path, mesh=given, donate_argnums=(0,))
+        state, metrics = on_mesh(jax.tree.map(lambda x: x.copy(), state0), ref.batch(16, seed=0))
+        np.testing.assert_allclose(float(metrics["loss"]), expected[0], rtol=1e-5)
+    with pytest.raises(shardplan.PlanMismatchError, match="was made for mesh axes"):
+        shardplan.auto(ref.train_step, plan=path, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "fsdp": 2, "model": 2}))
     edited = Path(path).read_text().replace('"stages": 4', '"stages": 3')
     with pytest.raises(PlanFileError, match=r"pipeline's 3 stages are not a mesh axis 'stage' of that size"):
         shardplan.Plan.from_json(edited, source="edited")
