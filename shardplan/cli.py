@@ -139,16 +139,34 @@ def _interruptible():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
+    caught, inside = [], threading.Event()
 
     def on_sigint(signum, frame):
         caught.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    def again():
+        if inside.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def on_unraisable(unraisable):
+        # Raised where Python drops exceptions (a garbage collector callback, JAX has one; a
+        # weakref callback; a __del__), the interrupt is printed and lost, and the command would
+        # run on to the end of the block: signal again, once out of there (while the block
+        # lasts: after it, the raise below ends the command).
+        if issubclass(unraisable.exc_type, KeyboardInterrupt) and inside.is_set():
+            threading.Timer(0.05, again).start()
+            return
+        hook(unraisable)
+
+    inside.set()
+    previous, hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
+    sys.unraisablehook = on_unraisable
     try:
         yield
     finally:
+        inside.clear()
+        sys.unraisablehook = hook
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
     if caught:
         raise KeyboardInterrupt
@@ -376,6 +394,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The ``shardplan`` command: :func:`main`, then out of the process. Interrupted, it leaves
+    at once (``os._exit``): a solver or compiler thread still inside C++ when the interpreter
+    shuts down aborts the process (exit 134, "terminate called without an active exception")
+    instead of exiting 130. Output cut short by its reader (``| head``) ends it quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # no second error at exit
+        code = 0
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        os._exit(130)
+    sys.exit(code)
+
+
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:      # the harness parses its own flags (python -m shardplan.benchmarks.bench --help)
         from shardplan.benchmarks.bench import main as bench_main
@@ -469,6 +508,8 @@ def _main(argv: list[str]) -> int:
         if args.cmd == "mesh":
             return _cmd_mesh(args, extra)
         return {"plan": _cmd_plan, "audit": _cmd_audit}[args.cmd](args)
+    except BrokenPipeError:
+        raise                   # its reader has gone (| head): run() ends quietly
     except (ShardplanError, ValueError, KeyError, OSError) as e:
         text = e.args[0] if isinstance(e, KeyError) and e.args else e     # a KeyError's str() is quoted
         print(f"shardplan: error: {text}", file=sys.stderr)
@@ -481,4 +522,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
