@@ -560,18 +560,21 @@ def _scatter_add_rule(g, eqn, ins, out, edge):
     passthrough_dims = {d for d in window_op if m.whole(d)}
 
     def operand_passthrough(s, dst):
-        # XLA's "operand passthrough" scatter: where the result is split only along whole window
-        # dims, the updates are resharded to be split the same way on their window dims (keeping
-        # what they split on their scatter dims on other axes: partial sums, reduced after the
-        # local scatter), and each device scatters into its own shard. None where it does not apply.
-        sharded = {d for d, axes in enumerate(dst) if axes}
-        if not sharded or not sharded <= passthrough_dims:
+        # XLA's "operand passthrough" scatter: where the result is split along whole window dims,
+        # the updates are resharded to be split the same way on their window dims (keeping what
+        # they split on their scatter dims on other axes: partial sums, reduced after the local
+        # scatter), and each device scatters into its own shard of those dims. A result split on
+        # other dims too (an embedding table's rows) is held whole along them while it is
+        # scattered into, its partial sums all-reduced, then sliced. None where no whole window
+        # dim is split: XLA scatters the updates as they are.
+        through = {d for d, axes in enumerate(dst) if axes and d in passthrough_dims}
+        if not through:
             return None
-        taken = {a for d in sharded for a in dst[d]}
+        taken = {a for d in through for a in dst[d]}
         need = [tuple(a for a in axes if a not in taken) for axes in s]
         for d, u in up_of_op.items():
             if d in window_op:
-                need[u] = dst[d]
+                need[u] = dst[d] if d in through else ()
         return tuple(need)
     edge(updates, out, produced=produced, passthrough=operand_passthrough)
     if indices is not None and idx_rank:

@@ -222,7 +222,7 @@ class Enumerator:
         if need is None:
             return None
         m, t, src = self.m, self.g.tensors[edge.dst], self.g.tensors[edge.src]
-        held = m.per_device_bytes(t.shape, t.dtype.itemsize, dst_spec) + \
+        held = m.per_device_bytes(t.shape, t.dtype.itemsize, edge.produced(need)[0]) + \
             m.per_device_bytes(src.shape, src.dtype.itemsize, need)
         whole = t.dtype.itemsize * math.prod(t.shape) + m.per_device_bytes(src.shape, src.dtype.itemsize, src_spec)
         return need if held <= whole or not edge.produced(src_spec)[1] else None
@@ -237,12 +237,14 @@ class Enumerator:
         need = self.scattered_updates(edge, src_spec, dst_spec)
         if need is not None:
             # The updates move (an all-to-all, a gather, or a local slice), each device scatters
-            # into its shard; axes the updates still split elsewhere leave partial sums of that
-            # shard, all-reduced.
+            # into its shard of the window dims; axes the updates still split elsewhere leave
+            # partial sums of that shard, all-reduced, then sliced where the result is split on
+            # other dims too.
             src = self.g.tensors[edge.src]
-            left = edge.produced(need)[1]
+            made, left = edge.produced(need)
             items = m.reshard_items(src.shape, src.dtype.itemsize, src_spec, need) + \
-                m.reduce_items(t.shape, t.dtype.itemsize, dst_spec, left, dst_spec, share=share)
+                m.reduce_items(t.shape, t.dtype.itemsize, made, left, made, share=share) + \
+                m.reshard_items(t.shape, t.dtype.itemsize, made, dst_spec)
             return self.scaled(items, edge.mult)
         if edge.primitive.startswith("scatter") and partial:
             # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
