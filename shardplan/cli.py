@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 # shardplan.models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
@@ -102,9 +103,12 @@ def _output_file(text: str) -> str:
     if not os.path.isdir(folder):
         what = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise argparse.ArgumentTypeError(f"the folder of {text}, {folder}, {what}; create it or give another path")
-    if not os.access(folder, os.W_OK | os.X_OK):
+    try:        # access() says yes to root in folders no one can create files in (/proc)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".shardplan-"):
+            pass
+    except OSError:
         raise argparse.ArgumentTypeError(f"the folder of {text}, {folder}, is not writable; give a path in a folder "
-                                         "you can write to")
+                                         "you can write to") from None
     return text
 
 
@@ -117,10 +121,12 @@ def _write_atomically(path: str, text: str) -> None:
             created = True
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if created:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(f"cannot write {path}: {e.strerror or e}") from None
         raise
 
 

@@ -287,6 +287,8 @@ BAD_FLAGS = {
 }
 if os.geteuid() != 0:          # root writes anywhere
     BAD_FLAGS["json-not-writable"] = ([*PLAN, "--json", "ro/out.json"], ("ro/",), r"argument --json: .*ro, is not writable")
+if os.path.isdir("/proc"):      # no one creates files there, root included, whatever access() says
+    BAD_FLAGS["json-in-proc"] = ([*PLAN, "--json", "/proc/out.json"], (), r"argument --json: .*/proc, is not writable")
 
 
 def _make(cwd, files):
@@ -357,8 +359,15 @@ def test_json_write_failure_leaves_no_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli.os, "replace", full)
     assert main([*PLAN, "--json", str(path)]) == 2
     errors = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
-    assert errors == ["shardplan: error: [Errno 28] No space left on device"]
+    assert errors == [f"shardplan: error: cannot write {path}: No space left on device"]
     assert os.listdir(tmp_path) == ["plan.json"] and path.read_text() == old
+
+
+def test_write_atomically_names_the_file_it_could_not_write(tmp_path):
+    from shardplan import cli
+    with pytest.raises(OSError, match=r"cannot write \S+nowhere/out.json: No such file or directory$"):
+        cli._write_atomically(str(tmp_path / "nowhere" / "out.json"), "{}")
+    assert os.listdir(tmp_path) == []
 
 
 def test_write_atomically_cleans_up_on_ctrl_c(tmp_path, monkeypatch):
