@@ -394,9 +394,21 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
     operand_pins, result_pins, rewrites = {}, {}, {}
     indices_of = {e.dst: e for e in graph.edges if e.primitive.startswith("scatter") and e.required is not None}
+    reshards = {id(e): enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+                for e in graph.edges if e.required is not None}
+    # An op that makes its result in place (a gather on the table's split) takes its other
+    # operands (the indices) as that result needs them, not as the planned result would.
+    made_by_op = {e.dst: (e.src, r[2]) for e in graph.edges if e.required is not None
+                  for r in [reshards[id(e)]] if r[2] is not None}
     for e in graph.edges:
         if e.required is not None:
-            comms, pin, made, rewrite = enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+            comms, pin, made, rewrite = reshards[id(e)]
+            where = made_by_op.get(e.dst)
+            if where is not None and where[0] != e.src:
+                need = e.need(where[1], model.sizes)
+                comms = enum.scaled(model.reshard_items(graph.tensors[e.src].shape, enum.src_itemsize(e),
+                                                        spec_of[e.src], need), e.mult)
+                pin = need if comms else None
             if pin is not None:
                 operand_pins[(graph.tensors[e.src].path, graph.tensors[e.dst].path)] = pin
             if made is not None:
