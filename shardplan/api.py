@@ -68,14 +68,20 @@ def _mesh_for_plan(plan: Plan, mesh, source: str) -> jax.sharding.Mesh:
         axes, mesh = dict(zip(spec.axis_names, spec.axis_sizes)), None
     want = dict(zip(plan.axis_names, plan.axis_sizes))
     if axes != want and _staged(axes, plan) == want:
-        # The mesh the plan was made on: its stage axis split off as the planner split it, laid
-        # over the same devices (as a plan made here runs).
-        return plan.jax_mesh() if mesh is None else \
-            make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
+        # The mesh the plan was made on: its stage axis split off as the planner split it.
+        return plan.jax_mesh() if mesh is None else _laid(plan, mesh)
     if axes != want:
         raise PlanMismatchError(f"{source} was made for mesh axes {want}; mesh= has {axes}: pass a mesh with "
                                 "those axes, or omit mesh= to lay the plan's axes over jax.devices()")
     return auto_axes(mesh) if mesh is not None else plan.jax_mesh()
+
+
+def _laid(plan: Plan, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh``, or where the plan has other axes (a stage axis split off) the same devices laid
+    out as its axes."""
+    if dict(mesh.shape) == dict(zip(plan.axis_names, plan.axis_sizes)):
+        return mesh
+    return make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
 
 
 def _staged(axes: dict[str, int], plan: Plan) -> dict[str, int] | None:
@@ -272,10 +278,7 @@ class AutoFunction:
 
         def made_compiled(made) -> _Compiled:
             plan, graph, traced = made
-            # A plan with other axes (a stage axis split off) runs on the same devices laid out as its axes.
-            laid = mesh if dict(mesh.shape) == dict(zip(plan.axis_names, plan.axis_sizes)) else \
-                make_jax_mesh(plan.axis_names, plan.axis_sizes, list(mesh.devices.flat), name=plan.mesh_name)
-            return _Compiled(traced, plan, graph, laid, self.jit_kwargs)
+            return _Compiled(traced, plan, graph, _laid(plan, mesh), self.jit_kwargs)
 
         target = self._fit_target(mesh)
         if target is None:

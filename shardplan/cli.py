@@ -369,7 +369,8 @@ def _mesh_calibrate(args) -> int:
 
 def _mesh_new(args, extra: list[str]) -> int:
     import re
-    from shardplan.mesh import cluster_mesh, write_mesh
+    from shardplan.cluster import cluster_mesh
+    from shardplan.mesh import write_mesh
     ici, dcn = {}, {}
     it = iter(extra)
     for flag in it:

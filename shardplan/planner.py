@@ -398,8 +398,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 for e in graph.edges if e.required is not None}
     # An op that makes its result in place (a gather on the table's split) takes its other
     # operands (the indices) as that result needs them, not as the planned result would.
-    made_by_op = {e.dst: (e.src, r[2]) for e in graph.edges if e.required is not None
-                  for r in [reshards[id(e)]] if r[2] is not None}
+    made_by_op = {e.dst: (e.src, reshards[id(e)][2]) for e in graph.edges
+                  if e.required is not None and reshards[id(e)][2] is not None}
     for e in graph.edges:
         if e.required is not None:
             comms, pin, made, rewrite = reshards[id(e)]

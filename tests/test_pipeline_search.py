@@ -93,7 +93,7 @@ def test_microbatches_split_over_the_data_axes_and_gradients_are_summed_once():
     assert all(c.replicas == 1 for c in by_stages[2])
     # Deeper pipelines, tried only where none of up to 16 stages fits: the 1T-parameter row of the
     # Megatron-LM study (128 layers on 384 nodes of 8) gets 32 and 64 stages.
-    from shardplan.mesh import cluster_mesh
+    from shardplan.cluster import cluster_mesh
     huge = cluster_mesh("a100-128x8", {"model": 8}, {"data": -1}, nodes=384)
     deep = candidates(huge, "auto", StackSite(128, 3072, 2 * 10**12), huge.device.budget_bytes, deep=True)
     assert {c.config.stages for c in deep} == {32, 64} and all(c.config is not None for c in deep)
