@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from shardplan.cost import COLLECTIVE_KINDS, CostModel
+from shardplan import footprint
 from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp
 from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.mesh import MeshSpec
@@ -129,8 +130,11 @@ def _heap_note(cost, compiled, heap_overhead: float) -> str:
     live = max(cost.memory_bytes - args, 0.0) / (1.0 + heap_overhead)
     heap = compiled_temp(compiled)
     implied = f"device.heap_overhead = {heap / live - 1.0:.2f} would match" if live > 0 else "no temporaries"
+    laid = footprint.dumped(compiled)
+    layout = (f"; the heap's live peak {format_bytes(laid.live_peak)}, its layout adds "
+              f"{laid.heap / laid.live_peak - 1.0:+.0%}") if laid is not None and laid.live_peak else ""
     return (f"memory: temporaries predicted live {format_bytes(live)} + {heap_overhead:.0%} heap overhead; "
-            f"compiled heap {format_bytes(heap)} ({implied})")
+            f"compiled heap {format_bytes(heap)} ({implied}){layout}")
 
 
 def price_collectives(comms, model: CostModel) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:

@@ -109,3 +109,26 @@ def test_libtpu_holds_the_heap_against_hbm_not_the_live_peak():
     peak = compiled.memory_analysis().peak_memory_in_bytes
     assert peak * scale < available < required
     assert footprint.compiled_memory(compiled) * scale == pytest.approx(required, rel=0.005)
+
+
+def test_the_dumped_heaps_live_peak_counts_the_loop_carried_buffers(tmp_path):
+    """A scan's carry and stacked outputs are loop-carried values (``(phi)`` in the dump) that
+    live across the loop: counted, the heap is its live peak (XLA's best fit packs this step
+    tightly); left out, the peak would miss the stacked residuals, as a first reading of the GPU
+    dumps did (RESULTS.md, session 27)."""
+    def loss(w, xs):
+        def body(c, x):
+            return jnp.tanh(c @ w + x), c
+        c, ys = jax.lax.scan(body, xs[0], xs)
+        return jnp.sum(ys) + jnp.sum(c)
+
+    lowered = jax.jit(jax.grad(loss)).lower(jnp.ones((64, 64)), jnp.ones((8, 16, 64)))
+    compiled = lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    heap = footprint.dumped_heap(str(tmp_path))
+    assert heap.heap == compiled.memory_analysis().temp_size_in_bytes
+    assert 0.98 * heap.heap <= heap.live_peak <= heap.heap
+    carried = [b for b in heap.at_peak if any(n.startswith("while") for n in b[4])]
+    stacked = 8 * 16 * 64 * 4                                 # f32[8,16,64]: a stacked residual
+    assert sum(b[0] for b in carried) >= 2 * stacked
+    assert sum(b[0] for b in heap.at_peak) == heap.live_peak
+    assert footprint.dumped_heap(str(tmp_path / "nothing dumped")) is None

@@ -3,6 +3,7 @@
 Skipped where the compilers are not installed (``pip install 'shardplan[aot]'``); CI installs them.
 """
 
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,10 @@ def test_a_plan_compiles_on_the_tpu_compiler(tmp_path):
     assert run.returncode in (0, 1), run.stderr[-2000:]      # 1: a figure diverges (reported, not an error)
     assert "note: compiled by XLA TPU (deviceless, libtpu, v5e:16x16)" in run.stdout
     assert "memory per device" in run.stdout and "Traceback" not in run.stderr
+    # The heap libtpu laid out, beside the bytes live in it at its fullest (its dump, read once).
+    peak = re.search(r"compiled heap (.+?) \(.*the heap's live peak (.+?), its layout adds ([+-]\d+)%", run.stdout)
+    assert peak, run.stdout
+    assert shardplan.parse_bytes(peak[2]) <= shardplan.parse_bytes(peak[1]) and int(peak[3]) >= 0
 
 
 def test_audit_target_flag_says_which_compiler_and_refuses_a_missing_one(tmp_path):
