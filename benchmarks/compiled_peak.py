@@ -1,7 +1,8 @@
 """Where a compiled plan's memory peaks: the buffers live at the fullest point of XLA's heap.
 
     python benchmarks/compiled_peak.py --model llama-tiny --mesh h100-8 --axes data=8,model=1 \\
-        [--batch 128] [--target gpu|tpu|cpu] [--top 25]
+        [--batch 128] [--target gpu|tpu|cpu] [--top 25] [--remat full] [--pipeline auto]
+        [--memory-budget 60GiB] [--xla name=value,...]
 
 Plans the reference model (scanned, fp32, AdamW) as ``audit_matrix.py`` does, compiles it for the
 target with XLA's dumps on (the TPU with VMEM placement off, as the audit), and reads the
@@ -39,12 +40,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"))
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--xla", default="", help="extra XLA options, name=value,...")
+    ap.add_argument("--remat", default="none", help="as shardplan plan --remat")
+    ap.add_argument("--pipeline", default="off", help="auto, off or a number of stages")
+    ap.add_argument("--memory-budget", default=None)
     args = ap.parse_args()
-    ref = reference(args.model, scan=True)
+    ref = reference(args.model, scan=True, remat="none")
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
     axes = {k: int(v) for k, v in (kv.split("=") for kv in args.axes.split(","))}
+    pipeline = None if args.pipeline == "off" else (args.pipeline if args.pipeline == "auto" else int(args.pipeline))
     f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh(args.mesh, axes=axes), donate_argnums=(0,),
-                       time_limit=30)
+                       time_limit=30, remat=None if args.remat == "none" else args.remat, pipeline=pipeline,
+                       memory_budget=args.memory_budget)
     plan = f.make_plan(state, batch)
     c = f._compiled((state, batch), {})
     spec = c.plan.mesh_spec or f.mesh_spec
@@ -52,7 +59,10 @@ def main() -> None:
     jax_mesh = targets.target_mesh(spec, target)[0] if target != "cpu" else c.mesh
     program = api._Compiled(c.traced, c.plan, c.graph, jax_mesh, f.jit_kwargs)
     with tempfile.TemporaryDirectory(prefix="shardplan-peak-") as folder:
-        options = {**targets.HBM_ONLY_OPTIONS.get(target, {}), "xla_dump_to": folder}
+        extra = dict(kv.split("=", 1) for kv in args.xla.split(",") if kv)
+        extra = {k: {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+                 for k, v in extra.items()}
+        options = {**targets.HBM_ONLY_OPTIONS.get(target, {}), **extra, "xla_dump_to": folder}
         compiled = program.lower(*f._abstract(c, (state, batch), {})).compile(compiler_options=options)
         heap = footprint.dumped_heap(folder)
     if heap is None:
@@ -60,6 +70,8 @@ def main() -> None:
     m = compiled.memory_analysis()
     kept = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     print(f"{args.model} on {args.mesh} {axes}, batch {args.batch}, compiled for {target}")
+    if plan.pipeline is not None:
+        print(f"pipeline: {plan.pipeline_config().describe()}")
     print(f"predicted memory per device {format_bytes(plan.cost.memory_bytes)} "
           f"(heap overhead {spec.device.heap_overhead:.0%} on predicted live temporaries)")
     print(f"compiled: arguments + outputs - aliased {format_bytes(kept)}, heap {format_bytes(heap.heap)}, "

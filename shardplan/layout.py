@@ -28,6 +28,10 @@ from collections.abc import Sequence
 LANES = 128
 MAX_ROWS = 8
 MIN_BYTES = 512
+# libtpu starts every temporary of its heap at a multiple of 16 KiB: each live one takes its
+# bytes rounded up to that (every offset of the heaps of gpt-tiny and gpt2-small on 256 v5e
+# chips; benchmarks/RESULTS.md, session 27). Arguments are allocations of their own.
+HEAP_ALIGN = 16384
 _VECTOR_TILE = 1024
 
 
@@ -67,6 +71,12 @@ def tpu_bytes(shape: Sequence[int], itemsize: int, minor: Sequence[int] | None =
             n = rest * _round_up(rows, tile_rows) * _round_up(shape[lanes], LANES) * itemsize
             best = n if best is None else min(best, n)
     return max(best, MIN_BYTES)
+
+
+def heap_bytes(nbytes: float, tiled_device: bool) -> float:
+    """What a temporary of ``nbytes`` (laid out) takes in the heap: on a TPU, rounded up to
+    :data:`HEAP_ALIGN`; elsewhere its bytes (a GPU's 256-byte alignment is lost in the noise)."""
+    return float(_round_up(math.ceil(nbytes), HEAP_ALIGN)) if tiled_device and nbytes > 0 else float(nbytes)
 
 
 def tiled(device_name: str) -> bool:

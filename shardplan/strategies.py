@@ -19,6 +19,7 @@ import numpy as np
 from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.combine import combined_reductions
 from shardplan.bf16_pass import LAYOUT, read_as_bf16
+from shardplan import layout
 from shardplan.layout import minor_dims
 from shardplan.graph import Graph
 from shardplan.problem import EdgeTables, Node, Problem
@@ -460,8 +461,9 @@ class Enumerator:
             ranked = [t for t in members if g.tensors[t].rank]
             if not ranked:
                 for t in members:
+                    nbytes = layout.heap_bytes(self.m.memory_bytes((), g.tensors[t].dtype.itemsize, ()), self.m.tiled)
                     for p in live_at.get(t, []):
-                        base_memory[p] += g.tensors[t].nbytes * heap
+                        base_memory[p] += nbytes * heap
                 continue
             options = all_options[len(nodes)]
             cost = np.zeros(len(options))
@@ -489,8 +491,12 @@ class Enumerator:
                 if t in g.shifts:
                     cost += np.array([sum(sec for _, sec in self.shift_comms(t, s)) for s in specs])
                 traffic += self.hbm_seconds(t, per_dev)
+                if live_at.get(t) and self.m.tiled:
+                    in_heap = np.array([layout.heap_bytes(n, True) for n in per_dev])
+                else:
+                    in_heap = per_dev
                 for p in live_at.get(t, []):
-                    memory[p] += per_dev * heap
+                    memory[p] += in_heap * heap
                 if t in always and not (g.host_apart and tt.host):
                     memory += per_dev[None, :]
             node_of_group[root] = len(nodes)

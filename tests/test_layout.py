@@ -4,7 +4,7 @@ import pytest
 import shardplan
 from shardplan import targets
 from shardplan.cost import CostModel
-from shardplan.layout import tiled, tpu_bytes
+from shardplan.layout import HEAP_ALIGN, heap_bytes, tiled, tpu_bytes
 
 needs_tpu = pytest.mark.skipif(not targets.available("tpu"), reason="libtpu is not installed "
                                "(pip install 'shardplan[aot]')")
@@ -94,3 +94,34 @@ def test_libtpu_holds_a_batched_matmuls_result_in_its_own_tiles():
     heap = footprint.compiled_temp(compiled) - compiled.memory_analysis().output_size_in_bytes
     # The scores and their softmax: two 16 MiB buffers, not two of 4 MiB.
     assert heap == pytest.approx(2 * tpu_bytes((256, 4, 32, 32), 4, minor=(2, 3)), rel=0.02)
+
+
+def test_heap_bytes_round_a_tpu_temporary_up_to_the_heaps_alignment():
+    assert heap_bytes(512, True) == HEAP_ALIGN and heap_bytes(HEAP_ALIGN + 1, True) == 2 * HEAP_ALIGN
+    assert heap_bytes(512, False) == 512 and heap_bytes(0, True) == 0
+
+
+@needs_tpu
+def test_libtpu_starts_every_heap_temporary_at_the_alignment(tmp_path):
+    """The premise of :data:`shardplan.layout.HEAP_ALIGN`: a scanned step's many small
+    temporaries each start at a multiple of it in libtpu's heap (the buffer assignment it dumps)."""
+    import re
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + h, None), x, ws)
+        return jnp.sum(h ** 2)
+
+    topo = targets._topology("tpu", "", "v5e:2x2")
+    s = NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)), P())
+    lowered = jax.jit(jax.grad(loss)).lower(jax.ShapeDtypeStruct((4, 64, 64), jnp.float32, sharding=s),
+                                            jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=s))
+    lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    text = "".join(p.read_text() for p in tmp_path.glob("*buffer-assignment.txt"))
+    block = text[text.index(", preallocated-temp:"):]
+    block = block[:block.find("\nallocation ")] if "\nallocation " in block else block
+    values = [(int(size), int(offset)) for size, offset in re.findall(r"\(size=(\d+),offset=(\d+)\)", block)]
+    assert sum(size < HEAP_ALIGN for size, _ in values) >= 5, values
+    assert all(offset % HEAP_ALIGN == 0 for _, offset in values), values
