@@ -122,6 +122,22 @@ def test_the_circular_schedule_keeps_no_chunk_of_weights_per_trip():
     assert compiled.memory_analysis().temp_size_in_bytes < config.iterations * chunk
 
 
+def test_the_circular_schedule_keeps_no_weight_shaped_mask_per_trip(tmp_path):
+    """Where a new round starts, each stage selects its chunk of weights by whether it is on the
+    round yet. The select is made again in the backward loop, so its predicate, broadcast to
+    the weights' shape, is not a residual of each of those trips (GPT-3 175B on 8 stages x 2
+    rounds: 7 trips' masks, 6 GiB a device)."""
+    mesh = _mesh({"stage": 4})
+    params, x = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32), jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    with pipelined(PipelineConfig(4, 4, "circular", repeats=2), mesh):
+        lowered = jax.jit(jax.grad(_toy_loss), in_shardings=(NamedSharding(mesh, P("stage")),
+                                                             NamedSharding(mesh, P()))).lower(params, x)
+    lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    text = "".join(p.read_text() for p in tmp_path.glob("*buffer-assignment.txt"))
+    assert re.search(r"\): f32\[[0-9,]*256,256\]", text)         # the weights' buffers are read here
+    assert not re.findall(r"\): pred\[[0-9,]*256,256\]", text)
+
+
 def test_pipelined_sgd_parameters_match():
     _, expected = _unpipelined("gpt-tiny", "sgd")
     _, params, _ = _pipelined_run("gpt-tiny", "sgd", {"stage": 4, "data": 2}, PipelineConfig(4, 8))
