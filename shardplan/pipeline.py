@@ -326,8 +326,21 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     def run_chunk(chunk, h):
         return jax.lax.scan(lambda c, layer: (f(c, layer)[0], None), h, chunk)[0]
 
+    # Where a new round starts, a stage runs round r's chunk or round r - 1's (``started``): each
+    # layer selects its weights inside a checkpoint that keeps only its operands, both rounds'
+    # layers being static slices of the parameters (read from them by the backward loop). A
+    # chunk selected outside the layers was kept per trip, its predicate too: GPT-3 175B on 8
+    # stages x 2 rounds (1024 A100s), 7 trips' chunks, 19 GiB a device, and their weight-shaped
+    # masks, 6 GiB. The layer's forward is run again in the backward loop, as under remat full.
+    def run_selected(new, old, started, h):
+        def layer(c, both):
+            return f(c, jax.tree.map(lambda a, b: jnp.where(started, a, b), *both))[0]
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        return jax.lax.scan(lambda c, both: (layer(c, both), None), h, (new, old))[0]
+
     if D > 1:
         run_chunk = jax.vmap(run_chunk)          # each row group with its own copy of the weights
+        run_selected = jax.vmap(run_selected, in_axes=(0, 0, None, 0))
 
     stage_ids = jnp.arange(S)
 
@@ -364,7 +377,12 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
         # microbatch, where the transposed update all-gathered every stage's microbatch.
         state = jax.tree.map(lambda s, x: _constrain(jnp.where(is_first(s), x[None], s), mesh, config.axis),
                              state, fresh)
-        out = jax.vmap(run_chunk)(salted(pick(t), t), state)
+        chunk, started = pick(t)
+        if started is None:
+            out = jax.vmap(run_chunk)(salted(chunk, t), state)
+        else:
+            new, old = chunk
+            out = jax.vmap(run_selected)(salted(new, t), salted(old, t), started, state)
         out = jax.tree.map(lambda a: _constrain(a, mesh, config.axis), out)
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
@@ -377,24 +395,17 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     # Stage s works on round r = (t - s) // M of its item (clipped while idle). The loop runs as
     # segments: where every stage is in the same round its chunk of weights is a static slice of
     # the parameters (loop-invariant, so the backward loop reads it from them); only in the S - 1
-    # trips after each round starts on stage 0 do the stages' rounds differ, and there each
-    # stage's chunk is selected, a value the backward loop keeps per trip. (One loop picking by a
-    # dynamic index kept every trip's chunk: llama3-70b on 4 stages x 2 rounds, 184 GiB a device.)
+    # trips after each round starts on stage 0 do the stages' rounds differ, and there each stage
+    # runs both rounds' static chunks, selecting layer by layer (``run_selected``). (One loop
+    # picking by a dynamic index kept every trip's chunk: llama3-70b on 4 stages x 2 rounds,
+    # 184 GiB a device.) A pick gives ``(chunk, None)``, or ``((new, old), started)``.
     def same_round(r):
-        return lambda t: jax.tree.map(lambda p: p[:, r] if D == 1 else p[:, :, r], params)
+        return lambda t: (jax.tree.map(lambda p: p[:, r] if D == 1 else p[:, :, r], params), None)
 
     def new_round(r):
-        # Selected again in the backward loop: the select's weight-shaped predicate is not kept
-        # per trip (GPT-3 175B on 8 stages x 2 rounds, 1024 A100s: 7 trips' masks, 6 GiB a
-        # device less in the compiled program). The chunk itself is still kept, as the layers'
-        # checkpoints keep their inputs.
-        @functools.partial(jax.checkpoint, prevent_cse=False)
         def pick(t):
-            started = stage_ids <= t - r * M           # the stages already on round r
-            def one(p):
-                new, old = (p[:, r], p[:, r - 1]) if D == 1 else (p[:, :, r], p[:, :, r - 1])
-                return jnp.where(started.reshape((S,) + (1,) * (new.ndim - 1)), new, old)
-            return jax.tree.map(one, params)
+            both = [jax.tree.map(lambda p: p[:, k] if D == 1 else p[:, :, k], params) for k in (r, r - 1)]
+            return tuple(both), stage_ids <= t - r * M           # the stages already on round r
         return pick
 
     segments = [(0, M if R > 1 else config.iterations, same_round(0))]

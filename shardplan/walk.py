@@ -79,6 +79,17 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
+def _carried(eqn, ins: list) -> list:
+    """A ``scan``'s or ``while``'s carry operands (the initial values its carried results
+    replace); none for a ``cond``."""
+    if eqn.primitive.name == "scan":
+        nc, nk = scan_counts(eqn.params)
+        return ins[nc:nc + nk]
+    if eqn.primitive.name == "while":
+        return ins[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
+    return []
+
+
 def sub_jaxpr(eqn) -> tuple[Any, list]:
     """The body of a call-like eqn (open jaxpr, consts) whose arity matches the eqn."""
     for value in eqn.params.values():
@@ -153,6 +164,13 @@ class _Walker:
             if prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i, here)
                 g.prefix = prefix
+                for init in _carried(eqn, ins):
+                    if init is not None and init in level.made_by and ins.count(init) == 1:
+                        # The loop's result takes over its carry's initial buffer (XLA's while
+                        # runs in its operand's buffer when nothing reads the operand later; a
+                        # later reader moves its last use on again; an operand passed twice is
+                        # copied).
+                        level.last_use[init] = i - 1
                 made = (prim, [x for x in ins if x is not None])
                 g.made_by.update((t, made) for t in outs if t is not None)
             else:

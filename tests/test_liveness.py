@@ -79,3 +79,20 @@ def test_a_matmul_operands_convert_runs_inside_the_gpu_gemm(compiler, stored):
     other = "bfloat16" if stored == "float32" else "float32"
     assert any(d == stored and n in ("tanh", "convert_element_type") for d, n in names), names
     assert not any(d == other and n in ("tanh", "convert_element_type") for d, n in names), names
+
+
+def test_a_loops_result_takes_over_its_carrys_initial_buffer():
+    """A ``scan`` runs in its carry's initial buffer when nothing reads it after the loop: the
+    initial value and the result are one buffer, not two (XLA's buffer assignment puts a
+    pipeline's weight-gradient accumulator, its zeros and the loop's result in one slot: GPT-3
+    175B on 1024 A100s, RESULTS.md, sessions 25 and 27). Read after the loop, it is copied."""
+    def f(x, kept):
+        acc = jnp.zeros((4 * N, 4 * N)) + x[0, 0]            # made here, dies at the loop
+        out, _ = jax.lax.scan(lambda a, w: (a + jnp.tanh(w[0, 0]), None), acc, x[None].repeat(3, 0))
+        return out.sum() + (acc.sum() if kept else 0.0)
+
+    x = jax.ShapeDtypeStruct((N, N), jnp.float32)
+    for kept, buffers in ((False, 1), (True, 2)):
+        g = build_graph(jax.make_jaxpr(lambda x: f(x, kept))(x), ["x"], apply_rule)
+        big = [t for t in g.points[0] if g.tensors[t].shape == (4 * N, 4 * N)]
+        assert len(big) == buffers, (kept, [g.tensors[t].name for t in big])

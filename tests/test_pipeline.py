@@ -122,11 +122,12 @@ def test_the_circular_schedule_keeps_no_chunk_of_weights_per_trip():
     assert compiled.memory_analysis().temp_size_in_bytes < config.iterations * chunk
 
 
-def test_the_circular_schedule_keeps_no_weight_shaped_mask_per_trip(tmp_path):
-    """Where a new round starts, each stage selects its chunk of weights by whether it is on the
-    round yet. The select is made again in the backward loop, so its predicate, broadcast to
-    the weights' shape, is not a residual of each of those trips (GPT-3 175B on 8 stages x 2
-    rounds: 7 trips' masks, 6 GiB a device)."""
+def test_the_circular_schedule_keeps_no_selected_chunk_or_mask_per_trip(tmp_path):
+    """Where a new round starts, each stage runs round r's chunk of weights or round r - 1's by
+    whether it is on the round yet. Each layer selects its weights inside a checkpoint that
+    keeps only the two static chunks, so neither the selected chunk nor the select's predicate
+    (broadcast to the weights' shape) is a residual of each of those S - 1 trips (GPT-3 175B on
+    8 stages x 2 rounds: 7 trips' chunks and masks, 25 GiB a device)."""
     mesh = _mesh({"stage": 4})
     params, x = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32), jax.ShapeDtypeStruct((16, 256), jnp.float32)
     with pipelined(PipelineConfig(4, 4, "circular", repeats=2), mesh):
@@ -136,6 +137,7 @@ def test_the_circular_schedule_keeps_no_weight_shaped_mask_per_trip(tmp_path):
     text = "".join(p.read_text() for p in tmp_path.glob("*buffer-assignment.txt"))
     assert re.search(r"\): f32\[[0-9,]*256,256\]", text)         # the weights' buffers are read here
     assert not re.findall(r"\): pred\[[0-9,]*256,256\]", text)
+    assert not re.findall(r"\): f32\[3,[0-9,]*256,256\]", text)      # 3 trips' chunks
 
 
 def test_pipelined_sgd_parameters_match():
