@@ -48,13 +48,15 @@ DEFAULT_OFFLOAD_BANDWIDTH = 16e9
 class Device:
     """One accelerator: peak FLOP/s per dtype name, HBM capacity (bytes) and bandwidth (bytes/s).
 
-    ``heap_overhead``: the fraction XLA's heap adds to the bytes of live temporaries. XLA lays
-    every temporary of a program out in one heap, with in-place updates and loop-carried buffers
-    pinned to shared offsets, so the heap (``memory_analysis().temp_size_in_bytes``) is larger than
-    the peak of bytes live at once (llama-tiny, one device's share of batch 128: 85.6 MiB live at
-    XLA's own peak, a 99.7 MiB heap). Heap / predicted live temporaries on issue 3's reference
-    matrix (CPU backend): 1.07 (MLP), 1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default.
-    ``shardplan audit`` prints the value a compile implies; set it for your own devices.
+    ``heap_overhead``: an allowance on the bytes of live temporaries the model predicts, for what
+    XLA's heap (``memory_analysis().temp_size_in_bytes``) holds beyond them. The heap itself is
+    laid out at its live peak, loop-carried buffers counted: within 0.2% on XLA's GPU compiler
+    (llama-tiny, GPT-3 175B) and 2% on libtpu's for gpt2-small, whose 16 KiB placement the model
+    prices (:func:`shardplan.layout.heap_bytes`). What the allowance covers is liveness the model
+    does not see, chiefly the order XLA schedules a loop body in (benchmarks/RESULTS.md, session
+    27). Heap / predicted live temporaries on issue 3's reference matrix (CPU backend): 1.07 (MLP),
+    1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default. ``shardplan audit`` prints the value a
+    compile implies, and on a TPU the heap's live peak; set it for your own devices.
 
     ``host_bandwidth``: bytes/s one host's input pipeline delivers to its devices; each host loads
     its share of every step's input (the batch) at that rate (see
