@@ -29,6 +29,9 @@ class Level:
     # eqn index -> the matmul results held at the body's peak (:func:`summing_kernels`)
     inner_held: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
+    # (carry's initial value, loop's result, loop's eqn index): the result took over the buffer
+    # (walk's loop rule); where nothing reads the result, the buffer lives through the loop still
+    takeovers: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
 
 # Primitives XLA fuses into a loop fusion with their producers: the producer's result is computed

@@ -79,15 +79,15 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
-def _carried(eqn, ins: list) -> list:
+def _carried(eqn, ins: list, outs: list) -> tuple[list, list]:
     """A ``scan``'s or ``while``'s carry operands (the initial values its carried results
-    replace); none for a ``cond``."""
+    replace) and those results; none for a ``cond``."""
     if eqn.primitive.name == "scan":
         nc, nk = scan_counts(eqn.params)
-        return ins[nc:nc + nk]
+        return ins[nc:nc + nk], outs[:nk]
     if eqn.primitive.name == "while":
-        return ins[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
-    return []
+        return ins[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:], outs
+    return [], []
 
 
 def sub_jaxpr(eqn) -> tuple[Any, list]:
@@ -164,13 +164,14 @@ class _Walker:
             if prim in ("scan", "while", "cond"):
                 outs = self._structured(eqn, ins, mult, level, i, here)
                 g.prefix = prefix
-                for init in _carried(eqn, ins):
-                    if init is not None and init in level.made_by and ins.count(init) == 1:
+                for init, result in zip(*_carried(eqn, ins, outs)):
+                    if init is not None and result is not None and init in level.made_by and ins.count(init) == 1:
                         # The loop's result takes over its carry's initial buffer (XLA's while
                         # runs in its operand's buffer when nothing reads the operand later; a
                         # later reader moves its last use on again; an operand passed twice is
                         # copied).
                         level.last_use[init] = i - 1
+                        level.takeovers.append((init, result, i))
                 made = (prim, [x for x in ins if x is not None])
                 g.made_by.update((t, made) for t in outs if t is not None)
             else:
@@ -198,6 +199,9 @@ class _Walker:
             if t is not None:
                 level.last_use[t] = len(level.defined)
                 g.level_outputs.add(t)
+        for init, result, i in level.takeovers:
+            if result not in level.last_use:      # never read: the carry's buffer lives through the loop
+                level.last_use[init] = max(level.last_use.get(init, i), i)
         fuse(g, level, set(outs))
         return outs
 

@@ -96,3 +96,18 @@ def test_a_loops_result_takes_over_its_carrys_initial_buffer():
         g = build_graph(jax.make_jaxpr(lambda x: f(x, kept))(x), ["x"], apply_rule)
         big = [t for t in g.points[0] if g.tensors[t].shape == (4 * N, 4 * N)]
         assert len(big) == buffers, (kept, [g.tensors[t].name for t in big])
+
+    def unread(x):
+        """The carry feeds the loop's other result but its own is never read (a backward loop's
+        cotangent of an input not differentiated): its buffer still lives through the loop."""
+        acc = jnp.zeros((4 * N, 4 * N)) + x[0, 0]
+
+        def body(c, w):
+            held = c[0] @ c[0]                              # a temporary of the body, as large
+            return (c[0] * w[0, 0], c[1] + held.sum()), None
+        (_, total), _ = jax.lax.scan(body, (acc, 0.0), x[None].repeat(3, 0))
+        return total
+
+    g = build_graph(jax.make_jaxpr(unread)(x), ["x"], apply_rule)
+    big = [t for t in g.points[0] if g.tensors[t].shape == (4 * N, 4 * N)]
+    assert len(big) == 2, [g.tensors[t].name for t in big]          # the carry's buffer and the temporary
