@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 LANES = 128
 MAX_ROWS = 8
 MIN_BYTES = 512
@@ -73,10 +75,14 @@ def tpu_bytes(shape: Sequence[int], itemsize: int, minor: Sequence[int] | None =
     return max(best, MIN_BYTES)
 
 
-def heap_bytes(nbytes: float, tiled_device: bool) -> float:
-    """What a temporary of ``nbytes`` (laid out) takes in the heap: on a TPU, rounded up to
-    :data:`HEAP_ALIGN`; elsewhere its bytes (a GPU's 256-byte alignment is lost in the noise)."""
-    return float(_round_up(math.ceil(nbytes), HEAP_ALIGN)) if tiled_device and nbytes > 0 else float(nbytes)
+def heap_bytes(nbytes, tiled_device: bool):
+    """What temporaries of ``nbytes`` (laid out; a number or an array) take in the heap: on a TPU,
+    rounded up to :data:`HEAP_ALIGN`; elsewhere their bytes (a GPU's 256-byte alignment is lost
+    in the noise)."""
+    if not tiled_device:
+        return nbytes
+    rounded = np.ceil(np.asarray(nbytes, dtype=float) / HEAP_ALIGN) * HEAP_ALIGN
+    return float(rounded) if rounded.ndim == 0 else rounded
 
 
 def tiled(device_name: str) -> bool:

@@ -399,14 +399,15 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
     # runs both rounds' static chunks, selecting layer by layer (``run_selected``). (One loop
     # picking by a dynamic index kept every trip's chunk: llama3-70b on 4 stages x 2 rounds,
     # 184 GiB a device.) A pick gives ``(chunk, None)``, or ``((new, old), started)``.
-    def same_round(r):
-        return lambda t: (jax.tree.map(lambda p: p[:, r] if D == 1 else p[:, :, r], params), None)
+    def chunk_of(r):
+        """Every stage's chunk of round ``r``: a static slice of the parameters."""
+        return jax.tree.map(lambda p: p[:, r] if D == 1 else p[:, :, r], params)
 
-    def new_round(r):
-        def pick(t):
-            both = [jax.tree.map(lambda p: p[:, k] if D == 1 else p[:, :, k], params) for k in (r, r - 1)]
-            return tuple(both), stage_ids <= t - r * M           # the stages already on round r
-        return pick
+    def same_round(r):
+        return lambda t: (chunk_of(r), None)
+
+    def new_round(r):                                   # started: the stages already on round r
+        return lambda t: ((chunk_of(r), chunk_of(r - 1)), stage_ids <= t - r * M)
 
     segments = [(0, M if R > 1 else config.iterations, same_round(0))]
     for r in range(1, R):

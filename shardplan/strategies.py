@@ -472,7 +472,7 @@ class Enumerator:
             # Tensors whose dims fall in the same classes share their specs, and of the same
             # shape their bytes: a group's hundreds of tensors have a few dozen of each.
             specs_of_classes: dict[tuple, list] = {}
-            bytes_of: dict[tuple, np.ndarray] = {}
+            bytes_of: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
             for t in ranked:
                 tt = g.tensors[t]
                 classes = tuple(g.dim_class(t, d) for d in range(tt.rank))
@@ -482,19 +482,15 @@ class Enumerator:
                 spec_of[t] = specs
                 itemsize, minor = self.stored_as(t)
                 key = (classes, tt.shape, itemsize, minor)
-                per_dev = bytes_of.get(key)
-                if per_dev is None:
-                    per_dev = bytes_of[key] = np.array([self.m.memory_bytes(tt.shape, itemsize, s, minor)
-                                                        for s in specs])
+                if key not in bytes_of:     # (arguments' bytes, a temporary's in the heap) per option
+                    laid = np.array([self.m.memory_bytes(tt.shape, itemsize, s, minor) for s in specs])
+                    bytes_of[key] = laid, layout.heap_bytes(laid, self.m.tiled)
+                per_dev, in_heap = bytes_of[key]
                 if t in self.fed:
                     cost += np.array([self.input_seconds(t, s) for s in specs])
                 if t in g.shifts:
                     cost += np.array([sum(sec for _, sec in self.shift_comms(t, s)) for s in specs])
                 traffic += self.hbm_seconds(t, per_dev)
-                if live_at.get(t) and self.m.tiled:
-                    in_heap = np.array([layout.heap_bytes(n, True) for n in per_dev])
-                else:
-                    in_heap = per_dev
                 for p in live_at.get(t, []):
                     memory[p] += in_heap * heap
                 if t in always and not (g.host_apart and tt.host):
