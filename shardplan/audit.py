@@ -23,6 +23,7 @@ from shardplan.cost import COLLECTIVE_KINDS, CostModel
 from shardplan import footprint
 from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp
 from shardplan.hlo import Collective, collectives, dot_flops
+from shardplan.layout import HEAP_ALIGN
 from shardplan.mesh import MeshSpec
 from shardplan.sizes import format_bytes
 
@@ -127,13 +128,18 @@ class Audit:
 def _heap_note(cost, compiled, heap_overhead: float) -> str:
     """What the compiled heap says of ``device.heap_overhead`` (the allowance on live temporaries)."""
     args = sum(cost.memory_bytes_by_role.values())
-    live = max(cost.memory_bytes - args, 0.0) / (1.0 + heap_overhead)
+    slots = cost.tuple_slots * HEAP_ALIGN       # a TPU's tuple results, a heap slot each
+    live = max(cost.memory_bytes - args - slots, 0.0) / (1.0 + heap_overhead)
     heap = compiled_temp(compiled)
-    implied = f"device.heap_overhead = {heap / live - 1.0:.2f} would match" if live > 0 else "no temporaries"
+    implied = f"device.heap_overhead = {(heap - slots) / live - 1.0:.2f} would match" if live > 0 else \
+        "no temporaries"
     laid = footprint.dumped(compiled)
     layout = (f"; the heap's live peak {format_bytes(laid.live_peak)}, its layout adds "
-              f"{laid.heap / laid.live_peak - 1.0:+.0%}") if laid is not None and laid.live_peak else ""
-    return (f"memory: temporaries predicted live {format_bytes(live)} + {heap_overhead:.0%} heap overhead; "
+              f"{laid.heap / laid.live_peak - 1.0:+.0%}; {laid.tuple_slots} tuple slots, "
+              f"{cost.tuple_slots} predicted"
+              ) if laid is not None and laid.live_peak else ""
+    tuples = f" + {cost.tuple_slots} tuple slots" if cost.tuple_slots else ""
+    return (f"memory: temporaries predicted live {format_bytes(live)} + {heap_overhead:.0%} heap overhead{tuples}; "
             f"compiled heap {format_bytes(heap)} ({implied}){layout}")
 
 

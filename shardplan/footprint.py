@@ -121,12 +121,15 @@ class DumpedHeap:
     """The default memory space's heap in one dumped buffer assignment, beside the bytes live in
     it at its fullest point: ``heap / live_peak - 1`` is what the layout adds (fragmentation,
     alignment) over the schedule's liveness. ``at_peak``: the buffers live there, largest first,
-    as ``(bytes, first step, last step, shape, value names)`` (aliased values share one buffer)."""
+    as ``(bytes, first step, last step, shape, value names)`` (aliased values share one buffer).
+    ``tuple_slots``: the heap's distinct places of tuple-shaped values (a loop's state, a kernel's
+    several results: tables of buffer addresses; libtpu gives each a slot of its own)."""
 
     heap: int
     live_peak: int
     peak_step: int
     at_peak: tuple
+    tuple_slots: int = 0
 
 
 def dumped_heap(folder: str) -> DumpedHeap | None:
@@ -186,4 +189,5 @@ def _dumped_heap(text: str, ranges_path: str) -> DumpedHeap | None:
         if live > peak:
             peak, step = live, t
     at_peak = tuple(sorted((b for b in buffers if b[1] <= step <= b[2]), key=lambda b: -b[0]))
-    return DumpedHeap(int(match.group(1)), peak, step, at_peak)
+    slots = len({offset for (offset, _), values in by_chunk.items() if values[0][3].startswith("(")})
+    return DumpedHeap(int(match.group(1)), peak, step, at_peak, slots)

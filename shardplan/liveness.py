@@ -10,6 +10,7 @@ checkpoints the ILP holds under the budget.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -219,3 +220,75 @@ def checkpoints(g, level: Level, always: set[int], num_points: int, *,
         if len(points) >= num_points:
             break
     return points or [([], [], [])]
+
+
+def multi_output_kernels(g, level: Level) -> int:
+    """How many kernels with several results XLA's multi-output fusion makes of the level's ops.
+
+    The stored results of elementwise ops and reductions become one kernel where they read one
+    stored tensor over the same iteration space (siblings: an optimizer's new parameter and its
+    moments, a layer norm's mean and variance) or where one reads the other directly (producer
+    and consumer: a stored result and its sum), unless one depends on the other through a third
+    kernel (the merged kernel would wait on itself). A scan body's result stacked into the scan's
+    output is written in place (a dynamic update slice) by the kernel that reads it over its whole
+    iteration space. Each kernel of several results has a tuple result, whose table of buffer
+    addresses the TPU compiler keeps in a heap slot of its own (RESULTS.md, session 28)."""
+    stored = [t for ts in level.defined for t in ts]
+    index = {t: k for k, t in enumerate(stored)}
+    above: dict[int, int] = {}          # stored tensor -> bit mask of the stored tensors it depends on
+    parent: dict = {}
+    members: dict = {}
+
+    def find(t):
+        while parent[t] != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    def join(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[rb] = ra
+            members[ra] += members.pop(rb)
+
+    first_reader: dict[tuple[int, int], int] = {}
+    for t in stored:
+        prim, ins = level.made_by.get(t, ("", []))
+        leaves, todo, seen = [], list(ins), set()
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x in g.fused and x in level.made_by:
+                todo.extend(level.made_by[x][1])
+            else:
+                leaves.append(x)
+        above[t] = 0
+        for x in leaves:
+            if x in index:
+                above[t] |= above[x] | (1 << index[x])
+        if prim not in FUSIBLE or not g.tensors[t].rank:
+            continue
+        parent[t], members[t] = t, [t]
+        space = math.prod(g.tensors[ins[0]].shape) if prim in REDUCTIONS and ins else math.prod(g.tensors[t].shape)
+        for x in leaves:
+            if not g.tensors[x].rank or math.prod(g.tensors[x].shape) != space:
+                continue
+            others = 0
+            for y in leaves:
+                if y != x and y in index:
+                    others |= above[y] | (1 << index[y])
+            direct = x in parent and level.made_by[x][0] not in REDUCTIONS and not (others >> index[x]) & 1
+            for other in ((x,) if direct else ()) + ((first_reader[(x, space)],) if (x, space) in first_reader else ()):
+                if find(other) != find(t) and not any(m != x and m in index and (above[t] >> index[m]) & 1
+                                                      for m in members[find(other)]):
+                    join(other, t)
+            first_reader.setdefault((x, space), t)
+    for t in stored:
+        key = (t, math.prod(g.tensors[t].shape))
+        if t not in g.stacked or (key not in first_reader and (t not in parent or not g.readers.get(t))):
+            continue
+        parent[("stack", t)], members[("stack", t)] = ("stack", t), [("stack", t)]
+        join(first_reader.get(key, t), ("stack", t))
+    return sum(1 for r, ms in members.items() if parent[r] == r and len(ms) > 1)

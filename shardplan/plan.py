@@ -65,6 +65,9 @@ class PredictedCost:
     # fuses it (shardplan.traffic.hbm_traffic). The solver's objective, plus any host copies
     # (offload_s), which the ILP does not price.
     searched_s: float = 0.0
+    # On a TPU: the tuple results (loops, multi-output kernels) counted in memory_bytes, a heap
+    # slot each (shardplan.liveness.multi_output_kernels); 0 elsewhere.
+    tuple_slots: int = 0
 
     @property
     def comm_s(self) -> float:

@@ -503,7 +503,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
-                         offload_s=offload_s, offload_bytes=offload_bytes)
+                         offload_s=offload_s, offload_bytes=offload_bytes,
+                         tuple_slots=graph.tuple_results if model.tiled else 0)
     cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,

@@ -450,6 +450,8 @@ class Enumerator:
         for t in g.inputs:
             if not g.tensors[t].rank:
                 base_memory += g.tensors[t].nbytes
+        if self.m.tiled:    # the TPU compiler's slot per tuple result, apart from the arrays
+            base_memory += g.tuple_results * layout.HEAP_ALIGN
         # A shard_map body's own temporaries, at every checkpoint (an upper bound: it runs at one).
         base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 

@@ -18,7 +18,7 @@ from jax.extend import core as jcore
 
 from shardplan.errors import ShardplanError
 from shardplan.graph import Graph
-from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, peak
+from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, multi_output_kernels, peak
 
 CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
@@ -104,6 +104,8 @@ class _Walker:
     def __init__(self, graph: Graph, rules: Callable):
         self.g = graph
         self.rules = rules
+        self.bodies: list[Level] = []     # every loop body's and branch's level, walked
+        self.loops = 0                    # scans, whiles and conds walked
 
     def walk(self, jaxpr, in_tids: list[int | None], mult: float, level: Level | None = None,
              const_tids: list[int] | None = None, inline: bool = False) -> list[int | None]:
@@ -162,6 +164,7 @@ class _Walker:
                 g.call_source, g.prefix = outer, prefix
                 continue
             if prim in ("scan", "while", "cond"):
+                self.loops += 1
                 outs = self._structured(eqn, ins, mult, level, i, here)
                 g.prefix = prefix
                 for init, result in zip(*_carried(eqn, ins, outs)):
@@ -213,6 +216,7 @@ class _Walker:
     def _inner(self, body, body_in: list[int | None], mult: float, level: Level, i: int):
         inner = Level()
         outs = self.walk(body, body_in, mult, inner)
+        self.bodies.append(inner)
         # Body inputs and outputs are the eqn's operands and results, counted at this level (XLA
         # writes a scan's per-trip outputs into the stacked result in place).
         # A cond's branches run one at a time: the fuller one counts.
@@ -313,6 +317,9 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
         if t is not None and g.tensors[t].role == "activation":
             g.tensors[t].role = "output"
     g.outputs = outs
+    # Each loop and conditional is one XLA instruction with a tuple result, and so is each kernel
+    # of several results (stacked outputs are known once the whole step is walked).
+    g.tuple_results = walker.loops + sum(multi_output_kernels(g, lv) for lv in [level, *walker.bodies])
     for i, j in ties:
         a, b = ins[i], outs[j]
         if b is not None and g.tensors[a].shape == g.tensors[b].shape:

@@ -132,3 +132,31 @@ def test_the_dumped_heaps_live_peak_counts_the_loop_carried_buffers(tmp_path):
     assert sum(b[0] for b in carried) >= 2 * stacked
     assert sum(b[0] for b in heap.at_peak) == heap.live_peak
     assert footprint.dumped_heap(str(tmp_path / "nothing dumped")) is None
+
+
+
+@needs_tpu
+def test_libtpu_gives_each_tuple_result_a_heap_slot_of_its_own(tmp_path):
+    """libtpu lays a program's tuple-shaped values (a loop's state, a kernel's several results:
+    tables of buffer addresses) out in slots of :data:`shardplan.layout.HEAP_ALIGN` bytes, each
+    distinct one in its own slot, never shared over time: the heap is the arrays' live peak
+    (each rounded to the alignment) plus a slot per tuple result. Seen here where the arrays are
+    tiny: the heap is almost all slots."""
+    from shardplan.layout import HEAP_ALIGN
+    from shardplan.models.train import reference
+    ref = reference("gpt-tiny", scan=True)
+    s = NamedSharding(_one_v5e_chip(), P())
+    placed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)  # noqa: E731
+    state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
+    jax.jit(ref.train_step, donate_argnums=(0,)).lower(placed(state), placed(batch)).compile(
+        compiler_options={"xla_dump_to": str(tmp_path)})
+    heap = footprint.dumped_heap(str(tmp_path))
+    text = next(tmp_path.glob("*after_optimizations-buffer-assignment.txt")).read_text()
+    block = text[text.index(", preallocated-temp:"):]
+    block = block[:block.find("\nallocation ")] if "\nallocation " in block else block
+    values = re.findall(r"\(size=(\d+),offset=(\d+)\): (\S)", block)
+    slots = {int(offset) for _, offset, first in values if first == "("}
+    assert len(slots) == heap.tuple_slots >= 20
+    assert all(offset % HEAP_ALIGN == 0 for offset in slots)
+    assert heap.tuple_slots * HEAP_ALIGN <= heap.heap
+    assert heap.tuple_slots * HEAP_ALIGN > 0.9 * heap.heap

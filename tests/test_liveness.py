@@ -111,3 +111,34 @@ def test_a_loops_result_takes_over_its_carrys_initial_buffer():
     g = build_graph(jax.make_jaxpr(unread)(x), ["x"], apply_rule)
     big = [t for t in g.points[0] if g.tensors[t].shape == (4 * N, 4 * N)]
     assert len(big) == 2, [g.tensors[t].name for t in big]          # the carry's buffer and the temporary
+
+
+def _tuple_results(f, *args):
+    g = build_graph(jax.make_jaxpr(f)(*args), [f"a{k}" for k in range(len(args))], apply_rule, compiler="tpu")
+    return g.tuple_results
+
+
+def test_the_walk_counts_the_kernels_xla_gives_several_results():
+    x = jax.ShapeDtypeStruct((64, N), jnp.float32)
+
+    def adam_like(p, g, m, v):      # new parameter and moments from one gradient: one kernel, three results
+        m2, v2 = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
+        return p - m2 / (jnp.sqrt(v2) + 1e-8), m2, v2
+
+    assert _tuple_results(adam_like, x, x, x, x) == 1
+
+    def norm_stats(a):              # mean and mean square of one tensor: sibling reductions, one kernel
+        return a.mean(-1), (a * a).mean(-1)
+
+    assert _tuple_results(norm_stats, x) == 1
+
+    def dependent(a, w):            # the second sum waits on the first through a matmul: two kernels
+        s = jnp.tanh(a).sum(-1, keepdims=True)
+        return s, (a + (s * a) @ w).sum(-1)
+
+    assert _tuple_results(dependent, x, jax.ShapeDtypeStruct((N, N), jnp.float32)) == 0
+
+    def scanned(c, xs):             # a loop: one tuple of its state
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), c, xs)[0]
+
+    assert _tuple_results(scanned, x, jax.ShapeDtypeStruct((3, N, N), jnp.float32)) == 1

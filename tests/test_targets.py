@@ -108,6 +108,10 @@ def test_a_plan_compiles_on_the_tpu_compiler(tmp_path):
     peak = re.search(r"compiled heap (.+?) \(.*the heap's live peak (.+?), its layout adds ([+-]\d+)%", run.stdout)
     assert peak, run.stdout
     assert shardplan.parse_bytes(peak[2]) <= shardplan.parse_bytes(peak[1]) and int(peak[3]) >= 0
+    # libtpu's slots of tuple results (loops, kernels of several results), beside the walk's count
+    # of them, which the prediction holds a slot each for (liveness.multi_output_kernels).
+    slots = re.search(r"(\d+) tuple slots, (\d+) predicted", run.stdout)
+    assert slots and abs(int(slots[2]) - int(slots[1])) <= 0.25 * int(slots[1]), run.stdout
 
 
 def test_audit_target_flag_says_which_compiler_and_refuses_a_missing_one(tmp_path):
