@@ -309,8 +309,9 @@ def _reassociated(graph: Graph, all_reduced: dict[int, list], account) -> None:
     """XLA's AllReduceReassociate: ``add(all-reduce(x), all-reduce(y))`` becomes
     ``all-reduce(add(x, y))`` where both all-reduce the same bytes over the same mesh axes and
     nothing else reads them (through a transpose or reshape on the way), e.g. a tied embedding's
-    gradient summed from its lookup and its logits. The bytes count one all-reduce; the seconds
-    stay the ILP's (each reduction is priced on its own edge), as for a repeated reshard."""
+    gradient summed from its lookup and its logits. The bytes and seconds count one all-reduce;
+    the ILP's objective keeps both (each reduction is priced on its own edge), as for a repeated
+    reshard."""
     readers: dict[int, int] = {}
     for tid in graph.eqn_inputs.values():
         readers[tid] = readers.get(tid, 0) + 1
@@ -356,6 +357,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
 
     all_reduced: dict[int, list] = {}      # tensor -> the all-reduces of its partial sums, (Comm, mult)
 
+    dropped = [0.0]     # seconds of collectives XLA runs once that the ILP priced for each reader
+
     def account(priced, mult, tid, repeated=()):
         for c, s in priced:
             if c.kind == "all-reduce":
@@ -368,15 +371,21 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             if tid is not None:
                 cost_of[tid] += s
         for c, _ in repeated:
+            saved = model.collective_time(c) * mult
+            dropped[0] += saved
             bytes_by_kind[c.kind] -= c.nbytes * mult
+            by_kind[c.kind] -= saved
             for a in c.axes:
                 bytes_by_axis[a] -= c.nbytes * mult / len(c.axes)
+                by_axis[a] -= saved / len(c.axes)
+            if tid is not None:
+                cost_of[tid] -= saved
 
     # XLA's partitioner reshards one tensor to one spec once per computation (its reshard cache,
     # then CSE): ops of one loop body (or of the top level) that need an operand resharded alike
     # share one set of collectives, e.g. the tied embedding gathered for the logits and again for
-    # their gradient. The bytes count it once; the seconds stay the ILP's (pairwise tables price
-    # each reader's reshard), so that the plan's step time is still the objective it minimised.
+    # their gradient. The bytes and seconds count it once; the objective the ILP minimised
+    # (searched_s) keeps each reader's, as its pairwise tables price them.
     resharded: set = set()
 
     def repeats(tid, need, loop, itemsize=None):
@@ -505,7 +514,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes,
                          tuple_slots=graph.tuple_results if model.tiled else 0)
-    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s)
+    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped[0])
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
                 result_pins=result_pins, rewrites=rewrites,
