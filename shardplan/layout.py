@@ -32,7 +32,9 @@ MAX_ROWS = 8
 MIN_BYTES = 512
 # libtpu starts every temporary of its heap at a multiple of 16 KiB: each live one takes its
 # bytes rounded up to that (every offset of the heaps of gpt-tiny and gpt2-small on 256 v5e
-# chips; benchmarks/RESULTS.md, session 27). Arguments are allocations of their own.
+# chips; benchmarks/RESULTS.md, session 27). Arguments are allocations of their own. Each tuple
+# result (a loop's state, a kernel's several results) has a slot of that size of its own, never
+# shared (session 28): :attr:`shardplan.graph.Graph.tuple_results`.
 HEAP_ALIGN = 16384
 _VECTOR_TILE = 1024
 

@@ -52,9 +52,10 @@ class Device:
     XLA's heap (``memory_analysis().temp_size_in_bytes``) holds beyond them. The heap itself is
     laid out at its live peak, loop-carried buffers counted: within 0.2% on XLA's GPU compiler
     (llama-tiny, GPT-3 175B) and 2% on libtpu's for gpt2-small, whose 16 KiB placement the model
-    prices (:func:`shardplan.layout.heap_bytes`). What the allowance covers is liveness the model
-    does not see, chiefly the order XLA schedules a loop body in (benchmarks/RESULTS.md, session
-    27). Heap / predicted live temporaries on issue 3's reference matrix (CPU backend): 1.07 (MLP),
+    prices (:func:`shardplan.layout.heap_bytes`), with a slot of its own per tuple result
+    (:func:`shardplan.liveness.multi_output_kernels`, session 28). What the allowance covers is
+    liveness the model does not see, chiefly the order XLA schedules a loop body in
+    (benchmarks/RESULTS.md, session 27). Heap / predicted live temporaries on issue 3's reference matrix (CPU backend): 1.07 (MLP),
     1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default. ``shardplan audit`` prints the value a
     compile implies, and on a TPU the heap's live peak; set it for your own devices.
 
