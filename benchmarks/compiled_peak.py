@@ -8,7 +8,8 @@ Plans the reference model (scanned, fp32, AdamW) as ``audit_matrix.py`` does, co
 target with XLA's dumps on (the TPU with VMEM placement off, as the audit), and reads the
 buffer assignment (:func:`shardplan.footprint.dumped_heap`): the heap, the bytes live at its
 fullest point (loop-carried values included), the step where that is, and the buffers live
-there, largest first, beside the plan's predicted memory. A heap over its live peak is layout
+there, largest first, beside the plan's predicted memory and the memory model's fullest
+checkpoint under the plan's specs. A heap over its live peak is layout
 (fragmentation, alignment); a prediction under the live peak is liveness the memory model
 misses (RESULTS.md, session 27).
 """
@@ -27,7 +28,7 @@ if not __package__:   # run as a script from a checkout: import the checkout's s
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import api, footprint, targets  # noqa: E402
+from shardplan import api, footprint, layout, targets  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
 from shardplan.sizes import format_bytes  # noqa: E402
 
@@ -84,6 +85,34 @@ def main() -> None:
     rest = heap.at_peak[args.top:]
     if rest:
         print(f"... {len(rest)} more buffers, {format_bytes(sum(b[0] for b in rest))}")
+    _model_peak(plan, c.graph, spec, args.top)
+
+
+def _model_peak(plan, graph, spec, top: int) -> None:
+    """The memory model's fullest checkpoint under the plan's specs: its temporaries, largest first
+    (on a TPU each rounded to its heap slot), beside the compiled list above."""
+    rows = {r.path: r for r in (*plan.activations, *plan.inputs, *plan.outputs)}
+    tiled = layout.tiled(spec.device.name)
+    best = None
+    for k, point in enumerate(graph.points):
+        items = [(float(layout.heap_bytes(rows[graph.tensors[t].path].bytes_per_device, tiled)), t)
+                 for t in point if graph.tensors[t].rank and graph.tensors[t].path in rows]
+        total = sum(b for b, _ in items)
+        if best is None or total > best[0]:
+            best = (total, k, items)
+    if best is None:
+        return
+    total, k, items = best
+    print(f"\nthe model's fullest checkpoint ({k} of {len(graph.points)}): {format_bytes(total)} in "
+          f"{len(items)} tensors, before the heap overhead (split-K partial sums apart)")
+    print(f"{'bytes':>10}  {'shape':34}  {'PartitionSpec':30}  tensor")
+    items.sort(key=lambda x: -x[0])
+    for b, t in items[:top]:
+        tt, row = graph.tensors[t], rows[graph.tensors[t].path]
+        print(f"{format_bytes(b):>10}  {tt.dtype.name + str(list(tt.shape)):34}  {str(row.partition_spec)[:30]:30}  "
+              f"{tt.name} @ {tt.source.rsplit('/', 1)[-1][:50]}")
+    if items[top:]:
+        print(f"... {len(items) - top} more tensors, {format_bytes(sum(b for b, _ in items[top:]))}")
 
 
 if __name__ == "__main__":
