@@ -148,6 +148,9 @@ class Graph:
     def __init__(self):
         self.tensors: list[Tensor] = []
         self.edges: list[PairEdge] = []
+        # Reductions of a tensor to a scalar (a loss): their all-reduce depends on the tensor's
+        # spec alone (a scalar has no other); the plan's collectives count it (not the ILP).
+        self.to_scalar: list[PairEdge] = []
         self.dots: list[DotOp] = []
         self.manual: list[ManualRegion] = []     # shard_map regions (shardplan.manual)
         self.inputs: list[int] = []
@@ -241,6 +244,8 @@ class Graph:
     def add_edge(self, edge: PairEdge) -> None:
         if self.tensors[edge.src].rank and self.tensors[edge.dst].rank:
             self.edges.append(edge)
+        elif self.tensors[edge.src].rank and edge.produced is not None:
+            self.to_scalar.append(edge)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

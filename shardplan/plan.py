@@ -62,9 +62,10 @@ class PredictedCost:
     offload_bytes: float = 0.0
     # What the ILP minimised for this plan: the same terms with HBM traffic counted the ILP's way
     # (every tensor on a sharding edge written and read once), where compute_s counts it as XLA
-    # fuses it (shardplan.traffic.hbm_traffic), and a reshard that several readers share priced
-    # for each (XLA runs it once; comm_s counts it once). The solver's objective, plus any host
-    # copies (offload_s), which the ILP does not price.
+    # fuses it (shardplan.traffic.hbm_traffic), a reshard that several readers share priced
+    # for each (XLA runs it once; comm_s counts it once), and no all-reduce of a scalar (a loss's;
+    # comm_s counts it). The solver's objective, plus any host copies (offload_s), which the ILP
+    # does not price.
     searched_s: float = 0.0
     # On a TPU: the tuple results (loops, multi-output kernels) counted in memory_bytes, a heap
     # slot each (shardplan.liveness.multi_output_kernels); 0 elsewhere.

@@ -439,6 +439,14 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
     for t in graph.shifts:
         account(enum.shift_comms(t, spec_of[t]), graph.tensors[t].mult, t)
+    # A reduction to a scalar (a loss's mean over a split batch): one all-reduce of a scalar,
+    # latency alone. It counts in the plan's collectives; the ILP leaves it out (it would be a
+    # cost of the summed tensor's options, as small as one collective's latency).
+    unsearched = 0.0
+    for e in graph.to_scalar:
+        priced = enum.edge_comms(e, spec_of[e.src], ())
+        unsearched += sum(s for _, s in priced)
+        account(priced, e.mult, e.dst)
     compute = 0.0
     dot_operands = {}
     for k, dot in enumerate(graph.dots):
@@ -514,7 +522,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes,
                          tuple_slots=graph.tuple_results if model.tiled else 0)
-    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped[0])
+    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped[0]
+                               - unsearched)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,
                 result_pins=result_pins, rewrites=rewrites,

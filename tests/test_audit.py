@@ -116,3 +116,25 @@ def test_cpu_compile_of_a_bf16_model_is_named_not_comparable():
     compiled = f.lower(state, batch).compile()
     notes = f.plan.audit(compiled).notes
     assert any("bf16 is computed in f32" in n and "temporaries" in n for n in notes), notes
+
+
+def test_a_loss_summed_to_a_scalar_has_its_all_reduce_priced():
+    """The mean of a tensor split over the batch is a sum of partial sums: an all-reduce of one
+    scalar over the batch's mesh axes (a latency each step). It is priced with the tensor's spec
+    (``Graph.to_scalar``), so the prediction's all-reduce seconds are the compiled program's."""
+    import jax.numpy as jnp
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    w, x = jax.ShapeDtypeStruct((512, 512), jnp.float32), jax.ShapeDtypeStruct((16384, 512), jnp.float32)
+    f = shardplan.auto(step, mesh=shardplan.load_mesh("cpu-8", axes={"data": 8}), donate_argnums=(0,),
+                       time_limit=5, cache=False)
+    plan = f.make_plan(w, x)
+    assert plan.inputs[1].spec[0] == ("data",), plan.explain()      # the case covered: the batch split
+    a = f.audit_for("cpu", w, x)
+    reduced = {r.name: r for r in a.by_kind}["all-reduce"]
+    scalar = [c for c in a.collectives if c.kind == "all-reduce" and c.nbytes == 4]
+    assert scalar, a.table()
+    assert reduced.predicted_s == pytest.approx(reduced.compiled_s, rel=1e-6), a.table()
