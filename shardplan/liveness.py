@@ -264,10 +264,11 @@ def multi_output_kernels(g, level: Level) -> int:
                 todo.extend(level.made_by[x][1])
             else:
                 leaves.append(x)
+        # each stored leaf with what it depends on
+        through = {x: above[x] | (1 << index[x]) for x in leaves if x in index}
         above[t] = 0
-        for x in leaves:
-            if x in index:
-                above[t] |= above[x] | (1 << index[x])
+        for mask in through.values():
+            above[t] |= mask
         if prim not in FUSIBLE or not g.tensors[t].rank:
             continue
         parent[t], members[t] = t, [t]
@@ -275,13 +276,13 @@ def multi_output_kernels(g, level: Level) -> int:
         for x in leaves:
             if not g.tensors[x].rank or math.prod(g.tensors[x].shape) != space:
                 continue
-            others = 0
-            for y in leaves:
-                if y != x and y in index:
-                    others |= above[y] | (1 << index[y])
+            others = 0          # what t reads other than x directly: x is reached that way too?
+            for y, mask in through.items():
+                if y != x:
+                    others |= mask
             direct = x in parent and level.made_by[x][0] not in REDUCTIONS and not (others >> index[x]) & 1
             for other in ((x,) if direct else ()) + ((first_reader[(x, space)],) if (x, space) in first_reader else ()):
-                if find(other) != find(t) and not any(m != x and m in index and (above[t] >> index[m]) & 1
+                if find(other) != find(t) and not any(m != x and (above[t] >> index[m]) & 1
                                                       for m in members[find(other)]):
                     join(other, t)
             first_reader.setdefault((x, space), t)

@@ -357,9 +357,10 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
 
     all_reduced: dict[int, list] = {}      # tensor -> the all-reduces of its partial sums, (Comm, mult)
 
-    dropped = [0.0]     # seconds of collectives XLA runs once that the ILP priced for each reader
+    dropped = 0.0       # seconds of collectives XLA runs once that the ILP priced for each reader
 
     def account(priced, mult, tid, repeated=()):
+        nonlocal dropped
         for c, s in priced:
             if c.kind == "all-reduce":
                 all_reduced.setdefault(tid, []).append((c, mult))
@@ -372,7 +373,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 cost_of[tid] += s
         for c, _ in repeated:
             saved = model.collective_time(c) * mult
-            dropped[0] += saved
+            dropped += saved
             bytes_by_kind[c.kind] -= c.nbytes * mult
             by_kind[c.kind] -= saved
             for a in c.axes:
@@ -521,8 +522,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes,
-                         tuple_slots=graph.tuple_results if model.tiled else 0)
-    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped[0]
+                         tuple_slots=enum.tuple_slots)
+    cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped
                                - unsearched)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,
                 outputs=outputs, activations=acts, dot_operands=dot_operands, operand_pins=operand_pins,

@@ -56,6 +56,8 @@ class Enumerator:
         self.combined = combined_reductions(graph)
         self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
         self.minor = minor_dims(graph) if model.tiled else {}     # TPU tiles fixed by batched matmuls
+        # the TPU compiler's heap slot per tuple result, apart from the arrays (none elsewhere)
+        self.tuple_slots = graph.tuple_results if model.tiled else 0
         self._inputs = frozenset(graph.inputs)
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
@@ -450,8 +452,7 @@ class Enumerator:
         for t in g.inputs:
             if not g.tensors[t].rank:
                 base_memory += g.tensors[t].nbytes
-        if self.m.tiled:    # the TPU compiler's slot per tuple result, apart from the arrays
-            base_memory += g.tuple_results * layout.HEAP_ALIGN
+        base_memory += self.tuple_slots * layout.HEAP_ALIGN
         # A shard_map body's own temporaries, at every checkpoint (an upper bound: it runs at one).
         base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 
