@@ -123,13 +123,15 @@ class DumpedHeap:
     alignment) over the schedule's liveness. ``at_peak``: the buffers live there, largest first,
     as ``(bytes, first step, last step, shape, value names)`` (aliased values share one buffer).
     ``tuple_slots``: the heap's distinct places of tuple-shaped values (a loop's state, a kernel's
-    several results: tables of buffer addresses; libtpu gives each a slot of its own)."""
+    several results: tables of buffer addresses; libtpu gives each a slot of its own).
+    ``buffers``: every buffer of the heap, as ``at_peak``'s, in no order."""
 
     heap: int
     live_peak: int
     peak_step: int
     at_peak: tuple
     tuple_slots: int = 0
+    buffers: tuple = ()
 
 
 def dumped_heap(folder: str) -> DumpedHeap | None:
@@ -190,4 +192,4 @@ def _dumped_heap(text: str, ranges_path: str) -> DumpedHeap | None:
             peak, step = live, t
     at_peak = tuple(sorted((b for b in buffers if b[1] <= step <= b[2]), key=lambda b: -b[0]))
     slots = len({offset for (offset, _), values in by_chunk.items() if values[0][3].startswith("(")})
-    return DumpedHeap(int(match.group(1)), peak, step, at_peak, slots)
+    return DumpedHeap(int(match.group(1)), peak, step, at_peak, slots, tuple(buffers))

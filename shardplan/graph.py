@@ -160,6 +160,9 @@ class Graph:
         # per point: matmul results whose split-K partial sums wait there for their reader
         # (shardplan.liveness.summing_kernels)
         self.held: list[set[int]] = []
+        # per point: matmul results whose partial sums wait there for the reductions of one
+        # combined collective (shardplan.liveness.combined_matmuls)
+        self.combining: list[set[int]] = []
         self.host_points: list[list[int]] = []    # the fullest live sets of host memory (host offload)
         self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
         self._paths: set[str] = set()                       # every tensor's path, each once

@@ -29,6 +29,12 @@ class Level:
     inner_running: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # eqn index -> the matmul results held at the body's peak (:func:`summing_kernels`)
     inner_held: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # eqn index -> the matmul results whose partial sums wait at the body's peak for a combined
+    # collective (:func:`combined_matmuls`)
+    inner_combining: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # eqn index -> a body's other points the level's checkpoints weigh: ``(live, running, held,
+    # combining)`` where a combined collective's partial sums wait (:func:`combining_point`)
+    inner_alts: dict[int, list[tuple]] = dataclasses.field(default_factory=dict)
     made_by: dict[int, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)  # tensor -> (primitive, inputs)
     # (carry's initial value, loop's result, loop's eqn index): the result took over the buffer
     # (walk's loop rule); where nothing reads the result, the buffer lives through the loop still
@@ -122,30 +128,33 @@ def _expensive(g, t: int, prim: str) -> bool:
 
 
 def peak(g, level: Level, exclude: set[int], *,
-         host: bool = False) -> tuple[list[int], list[int], list[int]]:
+         host: bool = False) -> tuple[list[int], list[int], list[int], list[int]]:
     """The live set of the level's fullest point, counted with every tensor replicated (``host``:
-    of host memory), the results of the ops running there and the matmul results held there
+    of host memory), with the results of the ops running there and the matmul results held there
     (:func:`live_sets`)."""
-    best, best_bytes = ([], [], []), -1
-    for live, running, held in live_sets(g, level, host=host):
+    best, best_bytes = ([], [], [], []), -1
+    for live, *rest in live_sets(g, level, host=host):
         live = [t for t in live if t not in exclude]
         n = sum(g.tensors[t].nbytes for t in live)
         if n > best_bytes:
-            best, best_bytes = (live, running, held), n
+            best, best_bytes = (live, *rest), n
     return best
 
 
 def live_sets(g, level: Level, *, host: bool = False):
-    """``(live, running, held)`` at each point of the level's schedule: the tensors in device
-    memory (host-offloaded ones apart, where the target holds them apart:
+    """``(live, running, held, combining)`` at each point of the level's schedule: the tensors in
+    device memory (host-offloaded ones apart, where the target holds them apart:
     :attr:`~shardplan.graph.Graph.host_apart`; with ``host``, those in host memory instead), the
-    results of the ops running there (the point's own, and a loop body's at its peak), and the
+    results of the ops running there (the point's own, and a loop body's at its peak), the
     results of matmuls run earlier whose partial sums wait there for the kernel that sums them
-    (:func:`summing_kernels`), where that kernel reads another matmul too."""
+    (:func:`summing_kernels`), where that kernel reads another matmul too, and the matmul results
+    whose partial sums wait there for the reductions that feed one combined collective
+    (:func:`combined_matmuls`)."""
     live: set[int] = set()
     inner = level.inner_host if host else level.inner_peak
     # Split-K partial sums are device memory, on NVIDIA GPUs only.
     waiting = set() if host or splitk.gpu_of(g.device) is None else _waiting(g, level)
+    last, group = (None, []) if host else combined_matmuls(g, level)
     for i, defined in enumerate(level.defined):
         if host:
             live.update(t for t in defined if t in level.last_use and g.tensors[t].host)
@@ -153,9 +162,61 @@ def live_sets(g, level: Level, *, host: bool = False):
             live.update(t for t in defined if t in level.last_use
                         and not (g.host_apart and g.tensors[t].host and t not in g.fetched_early))
         held = [t for t in live if t not in defined and t in waiting]
-        yield (sorted(live) + inner.get(i, []), list(defined) + level.inner_running.get(i, []),
-               held + level.inner_held.get(i, []))
+        combining = [t for t in group if t not in defined] if i == last else []
+        here = sorted(live)
+        yield (here + inner.get(i, []), list(defined) + level.inner_running.get(i, []),
+               held + level.inner_held.get(i, []), combining + level.inner_combining.get(i, []))
+        for alt in ([] if host else level.inner_alts.get(i, [])):
+            yield here + alt[0], list(defined) + alt[1], held + alt[2], combining + alt[3]
         live = {t for t in live if level.last_use.get(t, -1) > i}
+
+
+def combining_point(g, level: Level, exclude: set[int]) -> tuple | None:
+    """The level's point where a combined collective's partial sums wait
+    (:func:`combined_matmuls`), in :func:`peak`'s form; None where there is none. Their bytes
+    depend on the plan, so the enclosing level weighs this point beside the level's fullest one
+    (``Level.inner_alts``)."""
+    best = None
+    for live, running, held, combining in live_sets(g, level):
+        if combining and (best is None or len(combining) > len(best[3])):
+            best = ([t for t in live if t not in exclude], running, held, combining)
+    return best
+
+
+def combined_matmuls(g, level: Level) -> tuple[int | None, list[int]]:
+    """On a Hopper GPU, the matmuls of a loop body whose partial-sum reductions XLA combines into
+    one collective per trip, and the index of the point where the last of them is computed: there
+    every earlier one's split-K partial sums are live too. Else ``(None, [])``.
+
+    The matmuls are the weight gradients of a scan body over layers that flow only into the
+    stacked gradient (:func:`shardplan.combine.feeds_stacked_output`): XLA's combiner reduces
+    them in one all-reduce (or reduce-scatter) of their concatenation. On sm_90 the GPU
+    compiler's scheduler (its latency-hiding scheduler, with the analytical estimator of Hopper
+    GPUs) runs all of those matmuls, then all of their split-K reductions, then the
+    concatenation and the collective, so their float32 partial sums are live together
+    (llama-tiny's backward scan body on the H100: the partial sums of its four weight-gradient
+    matmuls, 1.9 MiB, live at once). On an A100 each reduction follows its matmul, with the
+    latency-hiding scheduler on or off. Checked on both targets' dumps by
+    ``tests/test_splitk.py::test_hoppers_scheduler_keeps_the_combined_gradients_partial_sums_together``.
+    At the top level the H100 keeps each reduction after its matmul too (a step of four
+    attention weights: XLA merges the three that read one operand into one matmul, and reduces
+    the fourth over other devices), so the top level has no such group.
+    Whether a matmul's result is reduced at all depends on its PartitionSpecs: the planner counts
+    its partial sums here only for the options that reduce it (:mod:`shardplan.strategies`)."""
+    from shardplan.combine import feeds_stacked_output
+    gpu = splitk.gpu_of(g.device)
+    if gpu is None or gpu.arch == "ampere":
+        return None, []
+    at, group = {}, []
+    for i, ts in enumerate(level.defined):
+        for t in ts:
+            made = level.made_by.get(t)
+            if made is not None and made[0] == "dot_general" and g.loop_of[t] and feeds_stacked_output(g, t):
+                at[t] = i
+                group.append(t)
+    if len(group) < 2:
+        return None, []
+    return max(at.values()), group
 
 
 def summing_kernels(g, level: Level, t: int) -> frozenset[int] | None:
@@ -202,24 +263,29 @@ def _waiting(g, level: Level) -> set[int]:
 
 
 def checkpoints(g, level: Level, always: set[int], num_points: int, *,
-                host: bool = False) -> list[tuple[list[int], list[int], list[int]]]:
+                host: bool = False) -> list[tuple[list[int], list[int], list[int], list[int]]]:
     """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
     and constants, counted apart), fullest first (``host``: of host memory), each with the results
-    of the ops running there and the matmul results held there (:func:`live_sets`)."""
+    of the ops running there and the matmul results held there (:func:`live_sets`), and the
+    fullest point where partial sums wait for a combined collective, if none of those is one."""
     scored = []
-    for live, running, held in live_sets(g, level, host=host):
+    for live, *rest in live_sets(g, level, host=host):
         live = [t for t in live if t not in always]
-        scored.append((sum(g.tensors[t].nbytes for t in live), live, running, held))
+        scored.append((sum(g.tensors[t].nbytes for t in live), live, rest))
     scored.sort(key=lambda x: -x[0])
     seen, points = set(), []
-    for _, live, running, held in scored:
+    for _, live, rest in scored:
         key = tuple(live)
         if key not in seen:
             seen.add(key)
-            points.append((live, running, held))
+            points.append((live, *rest))
         if len(points) >= num_points:
             break
-    return points or [([], [], [])]
+    # The fullest point where a combined collective's partial sums wait (their bytes depend on
+    # the plan, unseen in this ranking) is weighed too.
+    if not any(p[3] for p in points):
+        points += [(live, *rest) for _, live, rest in scored if rest[2]][:1]
+    return points or [([], [], [], [])]
 
 
 def multi_output_kernels(g, level: Level) -> int:

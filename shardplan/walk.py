@@ -18,7 +18,7 @@ from jax.extend import core as jcore
 
 from shardplan.errors import ShardplanError
 from shardplan.graph import Graph
-from shardplan.liveness import IN_PLACE, Level, checkpoints, fuse, multi_output_kernels, peak
+from shardplan.liveness import IN_PLACE, Level, checkpoints, combining_point, fuse, multi_output_kernels, peak
 
 CALL_PRIMITIVES = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
@@ -213,19 +213,30 @@ class _Walker:
         return [self.g.new_tensor(v.aval, _name_of(eqn), "activation", src, mult, f"{here}:{j}")
                 for j, v in enumerate(eqn.outvars)]
 
-    def _inner(self, body, body_in: list[int | None], mult: float, level: Level, i: int):
+    def _inner(self, body, body_in: list[int | None], mult: float, level: Level, i: int,
+               stacked: tuple[int, int] | None = None):
         inner = Level()
         outs = self.walk(body, body_in, mult, inner)
         self.bodies.append(inner)
+        if stacked is not None:
+            # (first stacked output, length) of a scan: its body's per-trip outputs from there on
+            # are stacked (known before the body's peak: liveness.combined_matmuls reads them)
+            for bt in outs[stacked[0]:]:
+                if bt is not None:
+                    self.g.stacked[bt] = stacked[1]
         # Body inputs and outputs are the eqn's operands and results, counted at this level (XLA
         # writes a scan's per-trip outputs into the stacked result in place).
         # A cond's branches run one at a time: the fuller one counts.
         for kept, host in ((level.inner_peak, False), (level.inner_host, True)):
-            here, running, held = peak(self.g, inner, set(body_in) | set(outs), host=host)
+            here, running, held, combining = peak(self.g, inner, set(body_in) | set(outs), host=host)
             if sum(self.g.tensors[t].nbytes for t in here) >= sum(self.g.tensors[t].nbytes for t in kept.get(i, [])):
                 kept[i] = here
                 if not host:
                     level.inner_running[i], level.inner_held[i] = running, held
+                    level.inner_combining[i] = combining
+        alt = combining_point(self.g, inner, set(body_in) | set(outs))
+        if alt is not None and alt[0] != level.inner_peak.get(i):
+            level.inner_alts.setdefault(i, []).append(alt)
         return outs
 
     def _structured(self, eqn, ins, mult, level, i, here: str) -> list[int]:
@@ -252,7 +263,7 @@ class _Walker:
             g.current_loop = g._loops
             for bt in body_in:
                 g.loop_of[bt] = g.current_loop
-            body_out = self._inner(body, body_in, mult * length, level, i)
+            body_out = self._inner(body, body_in, mult * length, level, i, stacked=(nk, length))
             g.current_loop = outer
             first: dict[int, int] = {}
             for k, (bt, t) in enumerate(zip(body_out, outs)):
@@ -326,10 +337,10 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
             g.union(a, b)
     g.donated_outputs = _donated_outputs(g, donated)
     points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
-    g.points = [live for live, _, _ in points]
-    g.running, g.held = [set(running) for _, running, _ in points], [set(held) for _, _, held in points]
+    g.points = [live for live, *_ in points]
+    g.running, g.held, g.combining = ([set(p[k]) for p in points] for k in (1, 2, 3))
     if g.host_apart:
-        g.host_points = [p for p, _, _ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
+        g.host_points = [p for p, *_ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
     return g
 
 

@@ -136,3 +136,68 @@ def test_a_small_splits_partial_sums_wait_for_their_reader(m, n, k):
     partial_sums = 4 * s * m * n
     assert compiled.memory_analysis().temp_size_in_bytes == pytest.approx(
         (2 if summed_in_reader else 1) * partial_sums, rel=0.05)
+
+
+def _scanned_data_parallel_step():
+    """Two weight matrices per layer in a scan over 4 layers, the batch split over 8 devices: each
+    layer's two weight gradients (64 x 192 over 512 tokens per device: split 8 on an H100 and an
+    A100) are all-reduced over ``data`` in one combined collective per trip."""
+    def step(ws, x):
+        def loss(ws):
+            def body(h, w):
+                return jnp.tanh(h @ w[0]) @ w[1], None
+            return jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2)
+        value, grads = jax.value_and_grad(loss)(ws)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, ws, grads), value
+    args = ((jax.ShapeDtypeStruct((4, 64, 192), jnp.float32), jax.ShapeDtypeStruct((4, 192, 64), jnp.float32)),
+            jax.ShapeDtypeStruct((4096, 64), jnp.float32))
+    return step, args
+
+
+@pytest.mark.parametrize("preset, together", [("h100-8", True), ("a100-8", False)])
+def test_hoppers_scheduler_keeps_the_combined_gradients_partial_sums_together(preset, together, tmp_path):
+    """On an H100 the GPU compiler runs a scan body's weight-gradient matmuls, then all their
+    split-K reductions, then the one all-reduce of their concatenation: both layers' partial sums
+    (f32[8,64,192] and f32[8,192,64]) are live at once. On an A100 each reduction follows its
+    matmul. The model holds the first matmul's partial sums where the last one runs on the H100
+    alone, and only for the options whose gradient is reduced (liveness.combined_matmuls)."""
+    from shardplan.cost import shared_model
+    from shardplan.rules import apply_rule
+    from shardplan.strategies import Enumerator
+    from shardplan.walk import build_graph
+
+    step, args = _scanned_data_parallel_step()
+    spec = shardplan.load_mesh(preset, axes={"data": 8})
+    s = splitk.split_k(1, 64, 192, 512, splitk.gpu_of(spec.device.name))
+    assert s == 8
+    g = build_graph(jax.make_jaxpr(step)(*args), ["w1", "w2", "x"], apply_rule, device=spec.device.name)
+    grads = [k for k, d in enumerate(g.dots) if g.loop_of[d.out] and g.tensors[d.out].shape in ((64, 192), (192, 64))]
+    assert len(grads) == 2
+    waiting = [p for p, ops in enumerate(g.combining) if ops]
+    if not together:
+        assert not waiting
+    else:
+        (point,) = waiting
+        first = [k for k in grads if g.dots[k].out in g.combining[point]]
+        assert len(first) == 1 and g.dots[first[0]].out not in g.running[point]
+        enumerator = Enumerator(g, shared_model(spec))
+        problem, _ = enumerator._full_nodes()
+        node = problem.nodes[problem.node_of_dot[first[0]]]
+        for o, option in enumerate(node.options):
+            reduced = bool(enumerator.dot_specs(g.dots[first[0]], option)[3])
+            split = enumerator._split_k(g.dots[first[0]], option)[-1]
+            want = 4.0 * split * 64 * 192 * (1 + spec.device.heap_overhead) if reduced and split > 1 else 0.0
+            assert node.memory[point, o] == pytest.approx(want), option
+
+    if not targets.available("gpu"):
+        pytest.skip("the GPU compiler is not installed (pip install 'shardplan[aot]')")
+    mesh, _ = targets.target_mesh(spec, "gpu")
+    rep, split_batch = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*p)) for p in ((), ("data",)))
+    jax.jit(step, in_shardings=((rep, rep), split_batch), out_shardings=((rep, rep), rep)).lower(*args).compile(
+        compiler_options={"xla_dump_to": str(tmp_path)})
+    from shardplan import footprint
+    partials = [b for b in footprint.dumped_heap(str(tmp_path)).buffers
+                if re.match(r"f32\[8,(64,192|192,64)\]", b[3]) and any("gemm" in n for n in b[4])]
+    assert len(partials) == 2, partials
+    (_, s1, e1, *_), (_, s2, e2, *_) = partials
+    assert (max(s1, s2) <= min(e1, e2)) == together, partials
