@@ -72,6 +72,8 @@ def fuse(g, level: Level, kept: set) -> None:
     duplicate it). Later results first, so a fused chain hands liveness back to its start.
     """
     fused, prologue = set(), set()
+    if g.compiler == "tpu":
+        _output_fused_matmuls(g, level, kept, fused)
     for i in range(len(level.defined) - 1, -1, -1):
         for t in level.defined[i]:
             made = level.made_by.get(t)
@@ -118,6 +120,44 @@ def fuse(g, level: Level, kept: set) -> None:
                         and g.tensors[x].nbytes == g.tensors[t].nbytes:
                     level.last_use[x] = i - 1
                     break
+
+
+_LAYOUT = frozenset(("transpose", "reshape", "convert_element_type", "copy", "copy_p"))
+
+
+def _output_fused_matmuls(g, level: Level, kept: set, fused: set) -> None:
+    """On a TPU, a matmul whose one reader is an add is computed inside the add's kernel (libtpu's
+    convolution fusion with its elementwise consumer): its result is never stored, and the
+    matmul runs where the add does, so its operands live until then. Where the add waits for a
+    later operand, the matmul waits with it: a tied embedding's head gradient, added to the
+    embedding's gradient after the backward loop, keeps the logits' gradient live through that
+    loop (gpt-tiny and gpt2-small on 256 v5e chips: the logits, f32[1024,50304] per chip on
+    gpt2-small, live from the loss to after the backward loop; RESULTS.md, session 29)."""
+    for ts in level.defined:
+        for t in ts:
+            made = level.made_by.get(t)
+            if made is None or made[0] != "dot_general" or t in kept:
+                continue
+            # Layout changes between the matmul and the add (a transposed weight gradient) are
+            # folded into the kernel too.
+            chain, last = [t], t
+            while True:
+                readers = g.readers.get(last, [])
+                if len(readers) != 1 or len(readers[0][1]) != 1 or last in kept:
+                    break
+                prim, (out,) = readers[0]
+                if prim in _LAYOUT and out in level.last_use:
+                    chain.append(out)
+                    last = out
+                    continue
+                if prim in ("add", "add_any"):
+                    end = level.last_use.get(last)
+                    if end is not None:
+                        fused.update(chain)
+                        for x in made[1]:
+                            if x in level.last_use:
+                                level.last_use[x] = max(level.last_use[x], end)
+                break
 
 
 def _expensive(g, t: int, prim: str) -> bool:
@@ -320,16 +360,19 @@ def multi_output_kernels(g, level: Level) -> int:
     first_reader: dict[tuple[int, int], int] = {}
     for t in stored:
         prim, ins = level.made_by.get(t, ("", []))
-        leaves, todo, seen = [], list(ins), set()
+        leaves, todo, seen, behind = [], [(x, False) for x in ins], set(), set()
         while todo:
-            x = todo.pop()
+            x, through_matmul = todo.pop()
             if x in seen:
                 continue
             seen.add(x)
             if x in g.fused and x in level.made_by:
-                todo.extend(level.made_by[x][1])
+                inner = through_matmul or level.made_by[x][0] == "dot_general"
+                todo.extend((y, inner) for y in level.made_by[x][1])
             else:
                 leaves.append(x)
+                if through_matmul:
+                    behind.add(x)
         # each stored leaf with what it depends on
         through = {x: above[x] | (1 << index[x]) for x in leaves if x in index}
         above[t] = 0
@@ -340,7 +383,9 @@ def multi_output_kernels(g, level: Level) -> int:
         parent[t], members[t] = t, [t]
         space = math.prod(g.tensors[ins[0]].shape) if prim in REDUCTIONS and ins else math.prod(g.tensors[t].shape)
         for x in leaves:
-            if not g.tensors[x].rank or math.prod(g.tensors[x].shape) != space:
+            # (what a matmul fused into the kernel reads, a TPU's convolution fusion, is not read
+            # over the kernel's iteration space)
+            if not g.tensors[x].rank or math.prod(g.tensors[x].shape) != space or x in behind:
                 continue
             others = 0          # what t reads other than x directly: x is reached that way too?
             for y, mask in through.items():

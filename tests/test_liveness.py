@@ -1,6 +1,7 @@
 """Which tensors the memory model holds live, against what XLA's GPU compiler stores."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +143,37 @@ def test_the_walk_counts_the_kernels_xla_gives_several_results():
         return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), c, xs)[0]
 
     assert _tuple_results(scanned, x, jax.ShapeDtypeStruct((3, N, N), jnp.float32)) == 1
+
+
+def _tied_step(x, w):
+    """A weight read twice, its two gradients added late: ``a`` is a matmul read only by the add
+    (transposed on the way), computed long before the other term."""
+    y = jnp.sin(x) * 2.0                       # stored: a matmul reads it
+    a = y.T @ y                                # [N, N], read only by the transpose and the add
+    z = jnp.tanh(x @ w)                        # the work between
+    return (a.T + z.T @ z).sum()
+
+
+@pytest.mark.parametrize("compiler", ["tpu", "gpu", "cpu"])
+def test_a_matmul_read_only_by_an_add_runs_in_the_adds_kernel_on_a_tpu(compiler):
+    # libtpu fuses a matmul into its elementwise consumer (a convolution fusion): the matmul's
+    # result is never stored, and it runs where the add runs, so its operand y lives until then,
+    # beside z. A tied embedding's head gradient does this across the whole backward loop
+    # (RESULTS.md, session 29). Other compilers store the result and free y at the matmul.
+    args = (jax.ShapeDtypeStruct((4 * N, N), jnp.float32), jax.ShapeDtypeStruct((N, N), jnp.float32))
+    g = build_graph(jax.make_jaxpr(_tied_step)(*args), ["x", "w"], apply_rule, compiler=compiler, num_points=64)
+    named = lambda p, name: any(g.tensors[t].name == name and g.tensors[t].shape == (4 * N, N) for t in p)  # noqa: E731
+    together = any(named(p, "mul") and named(p, "tanh") for p in g.points)       # y beside z
+    (a,) = [d.out for d in g.dots if [r for r, _ in g.readers.get(d.out, [])] == ["transpose"]]
+    assert together == (compiler == "tpu")
+    assert (a in g.fused) == (compiler == "tpu")
+
+    if compiler == "tpu" and targets.available("tpu"):
+        import numpy as np
+        topo = targets._topology("tpu", "", "v5e:2x2")
+        chip = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)),
+                                          jax.sharding.PartitionSpec())
+        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=chip) for a in args]
+        text = jax.jit(_tied_step).lower(*placed).compile().as_text()
+        bodies = re.findall(r"\n%fused\S* .*?\n}\n", text, re.S)
+        assert any("convolution(" in b and " add(" in b for b in bodies)
