@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--remat", default="none", help="as shardplan plan --remat")
     ap.add_argument("--pipeline", default="off", help="auto, off or a number of stages")
     ap.add_argument("--memory-budget", default=None)
+    ap.add_argument("--dump", default=None, help="keep XLA's dumps in this folder")
     args = ap.parse_args()
     ref = reference(args.model, scan=True, remat="none")
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
@@ -59,7 +60,8 @@ def main() -> None:
     target = targets.resolve(args.target, spec)
     jax_mesh = targets.target_mesh(spec, target)[0] if target != "cpu" else c.mesh
     program = api._Compiled(c.traced, c.plan, c.graph, jax_mesh, f.jit_kwargs)
-    with tempfile.TemporaryDirectory(prefix="shardplan-peak-") as folder:
+    with tempfile.TemporaryDirectory(prefix="shardplan-peak-") as scratch:
+        folder = args.dump or scratch
         extra = dict(kv.split("=", 1) for kv in args.xla.split(",") if kv)
         extra = {k: {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
                  for k, v in extra.items()}

@@ -82,8 +82,11 @@ def fuse(g, level: Level, kept: set) -> None:
             readers = g.readers.get(t, [])
             # XLA folds a transpose into the dots that read it (its TransposeFolding pass); its
             # GPU compiler converts a matmul's operand inside the matmul's kernel (a Triton GEMM
-            # fusion), which reads the unconverted tensor: that one is stored.
-            into_dots = made[0] == "transpose" or (made[0] == "convert_element_type" and g.compiler == "gpu")
+            # fusion), which reads the unconverted tensor: that one is stored. Not a narrowing
+            # convert (float32 to bfloat16: "Narrowing conversion", XLA's
+            # IsConversionWorthFusing): that one is stored converted, by its producer's kernel.
+            into_dots = made[0] == "transpose" or (made[0] == "convert_element_type" and g.compiler == "gpu"
+                                                   and not _narrowing(g, t, made[1]))
             fold = FUSIBLE | DOTS if into_dots else FUSIBLE
             if not readers or any(p not in fold for p, _ in readers):
                 continue
@@ -102,24 +105,42 @@ def fuse(g, level: Level, kept: set) -> None:
         level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
         g.fused |= fused
     # A stored elementwise result takes over the buffer of a same-size operand that dies in
-    # its kernel (XLA shares an elementwise fusion's output with such an operand).
+    # its kernel (XLA shares an elementwise fusion's output with such an operand). Not on a GPU
+    # where the kernel also reads a row reduction of that operand: XLA's GPU compiler computes
+    # such a diamond (a softmax or its gradient) in one Triton kernel, which shares no buffer
+    # (test_sequence's attention: the scores' float32 gradient beside the float32 scores).
     for i, ts in enumerate(level.defined):
         for t in ts:
             made = level.made_by.get(t)
             if made is None or made[0] not in FUSIBLE or made[0] in REDUCTIONS:
                 continue
-            stack, seen = list(made[1]), set()
-            while stack:
-                x = stack.pop()
-                if x in seen:
-                    continue
-                seen.add(x)
-                if x in fused:
-                    stack.extend(level.made_by[x][1])
-                elif x in level.made_by and x not in kept and level.last_use.get(x) == i \
+            reads = _kernel_reads(level, fused, made[1])
+            diamond = set()
+            if g.compiler == "gpu":
+                for r in reads:
+                    if level.made_by.get(r, ("",))[0] in REDUCTIONS:
+                        diamond.update(_kernel_reads(level, fused, level.made_by[r][1]))
+            for x in reads:
+                if x in level.made_by and x not in kept and x not in diamond and level.last_use.get(x) == i \
                         and g.tensors[x].nbytes == g.tensors[t].nbytes:
                     level.last_use[x] = i - 1
                     break
+
+
+def _kernel_reads(level: Level, fused: set, inputs: list[int]) -> list[int]:
+    """The stored tensors a kernel reads that computes, with every fused result on the way, a
+    result of ``inputs`` (depth first from the last input)."""
+    stack, seen, reads = list(inputs), set(), []
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in fused:
+            stack.extend(level.made_by[x][1])
+        else:
+            reads.append(x)
+    return reads
 
 
 _LAYOUT = frozenset(("transpose", "reshape", "convert_element_type", "copy", "copy_p"))
@@ -158,6 +179,11 @@ def _output_fused_matmuls(g, level: Level, kept: set, fused: set) -> None:
                             if x in level.last_use:
                                 level.last_use[x] = max(level.last_use[x], end)
                 break
+
+
+def _narrowing(g, t: int, ins: list[int]) -> bool:
+    """Whether ``t`` converts its operand to a smaller element type (fewer bytes)."""
+    return bool(ins) and g.tensors[t].nbytes < g.tensors[ins[0]].nbytes
 
 
 def _expensive(g, t: int, prim: str) -> bool:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -66,20 +67,83 @@ def test_recomputed_softmax_memory_against_the_gpu_compiler():
     assert abs(audit.memory_error()) < 0.15, audit.table()
 
 
-@pytest.mark.parametrize("compiler,stored", [("gpu", "float32"), ("cpu", "bfloat16")])
-def test_a_matmul_operands_convert_runs_inside_the_gpu_gemm(compiler, stored):
-    # The GPU compiler converts a dot's operand inside the GEMM kernel (a Triton GEMM fusion): the
-    # float32 tensor before the convert is stored. Other compilers store the converted one.
+@pytest.mark.parametrize("compiler,stored", [("gpu", "bfloat16"), ("cpu", "float32")])
+def test_a_matmul_operands_widening_convert_runs_inside_the_gpu_gemm(compiler, stored):
+    # The GPU compiler converts a dot's operand inside the GEMM kernel (a Triton GEMM fusion) when
+    # the convert widens it: the bfloat16 tensor before the convert is stored. Other compilers
+    # store the converted one.
     def f(x, w):
-        h = jnp.tanh(x @ x)                                  # float32, read only by the convert
-        return (h.astype(jnp.bfloat16) @ w).sum()
+        h = jnp.tanh(x @ x)                                  # bfloat16, read only by the convert
+        return (h.astype(jnp.float32) @ w).sum()
 
-    live = _live(f, jax.ShapeDtypeStruct((N, N), jnp.float32), jax.ShapeDtypeStruct((N, N), jnp.bfloat16),
+    live = _live(f, jax.ShapeDtypeStruct((N, N), jnp.bfloat16), jax.ShapeDtypeStruct((N, N), jnp.float32),
                  compiler=compiler)
     names = {(dtype, name) for shape, dtype, name in live if shape == (N, N)}
     other = "bfloat16" if stored == "float32" else "float32"
     assert any(d == stored and n in ("tanh", "convert_element_type") for d, n in names), names
     assert not any(d == other and n in ("tanh", "convert_element_type") for d, n in names), names
+
+
+@pytest.mark.parametrize("compiler", ["gpu", "cpu"])
+def test_a_narrowing_convert_is_stored_converted_on_every_compiler(compiler):
+    # XLA's GPU compiler keeps a narrowing convert (float32 to bfloat16) out of the GEMM
+    # ("Narrowing conversion"): the producer's kernel writes the bfloat16 result, as XLA stores a
+    # softmax's probabilities (llama3-8b on an H200: bf16[2,32,8192,8192], not float32).
+    def f(s, v):
+        e = jnp.exp(s @ s)
+        probs = e / e.sum(-1, keepdims=True)                  # float32, read only by the convert
+        return (probs.astype(jnp.bfloat16) @ v).sum()
+
+    live = _live(f, jax.ShapeDtypeStruct((N, N), jnp.float32), jax.ShapeDtypeStruct((N, N), jnp.bfloat16),
+                 compiler=compiler)
+    names = {(dtype, name) for shape, dtype, name in live if shape == (N, N)}
+    assert ("bfloat16", "convert_element_type") in names, names
+    assert ("float32", "div") not in names, names
+
+
+@pytest.mark.skipif(not targets.available("gpu"), reason="needs the GPU compiler: pip install 'shardplan[aot]'")
+def test_the_gpu_compiler_keeps_a_narrowing_convert_out_of_the_gemm():
+    """What the two tests above model, on XLA's GPU compiler: a float32 softmax converted to
+    bfloat16 for a matmul is stored as bfloat16; a bfloat16 operand widened for a float32 matmul
+    is read by the GEMM unconverted."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from shardplan import footprint
+    mesh = targets.target_mesh(shardplan.load_mesh("h200-8"), "gpu")[0]
+
+    def stored(f, a, b):
+        args = [jax.ShapeDtypeStruct(shape, jnp.dtype(d), sharding=NamedSharding(mesh, P()))
+                for shape, d in (((4 * N, 4 * N), a), ((4 * N, N), b))]
+        with tempfile.TemporaryDirectory() as folder:
+            jax.jit(f).lower(*args).compile(compiler_options={"xla_dump_to": folder})
+            heap = footprint.dumped_heap(folder)
+        return {shape.split("[")[0] for _, _, _, shape, _ in heap.at_peak if f"[{4 * N},{4 * N}]" in shape}
+
+    def narrowing(s, v):
+        e = jnp.exp(s @ s)
+        return ((e / e.sum(-1, keepdims=True)).astype(jnp.bfloat16) @ v).sum()
+
+    def widening(x, w):
+        return (jnp.tanh(x @ x).astype(jnp.float32) @ w).sum()
+
+    # the float32 product s @ s (read by the sum and the division) and the bfloat16 probabilities
+    assert stored(narrowing, "float32", "bfloat16") == {"f32", "bf16"}
+    assert stored(widening, "bfloat16", "float32") == {"bf16"}
+
+
+@pytest.mark.parametrize("compiler,together", [("gpu", 2), ("cpu", 1)])
+def test_a_softmax_kernel_shares_no_buffer_on_a_gpu(compiler, together):
+    # A result computed from a tensor and a row reduction of it (a softmax) takes over that
+    # tensor's buffer where it dies, except on a GPU: XLA's GPU compiler runs the diamond in one
+    # Triton kernel, which reads the tensor while it writes the result (test_sequence's attention).
+    def f(x, w):
+        y = x @ x
+        e = jnp.exp(y - y.max(-1, keepdims=True))
+        return ((e / e.sum(-1, keepdims=True)) @ w).sum()
+
+    x, w = jax.ShapeDtypeStruct((N, N), jnp.float32), jax.ShapeDtypeStruct((N, 1), jnp.float32)
+    g = build_graph(jax.make_jaxpr(f)(x, w), ["x", "w"], apply_rule, compiler=compiler)
+    most = max(sum(g.tensors[t].shape == (N, N) and g.tensors[t].name != "x" for t in p) for p in g.points)
+    assert most == together, [[g.tensors[t].name for t in p] for p in g.points]
 
 
 def test_a_loops_result_takes_over_its_carrys_initial_buffer():
