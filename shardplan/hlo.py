@@ -127,14 +127,15 @@ def _axes_of(group: list[int], mesh) -> tuple[str, ...]:
 
 
 _ROOT_OPERANDS = re.compile(r"ROOT .*? (compare|fusion)\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)")
-_S32_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* constant\((\d+)\)")
 
 
-def _counted_trips(condition: list[str], bodies: dict[str, list[str]]) -> int:
+def _counted_trips(condition: list[str], bodies: dict[str, list[str]], body: list[str] = ()) -> int:
     """A loop's trips read off its condition where the compiler gives no ``known_trip_count``
     (libtpu does not): ``i < N`` with a constant ``N`` (the compare itself, or a fusion of it),
-    the counter a scan starts at 0. Else 1."""
-    constants = {m.group(1): int(m.group(2)) for m in map(_S32_CONSTANT.match, condition) if m}
+    the counter a scan starts at 0, stepping by the constant ``body`` adds to it (libtpu's
+    windowed einsum loops unroll two steps a trip and count ``i += 2``). Else 1."""
+    constants = {m.group(1): int(m.group(2)) for m in map(_INT_CONSTANT.match, condition) if m}
     for line in condition:
         m = _ROOT_OPERANDS.search(line)
         if not m:
@@ -147,7 +148,31 @@ def _counted_trips(condition: list[str], bodies: dict[str, list[str]]) -> int:
                 return 1
         elif "direction=LT" not in rest:
             return 1
-        return max(constants[b], 1) if b in constants and a not in constants else 1
+        if b not in constants or a in constants:
+            return 1
+        return max(-(-constants[b] // _counter_step(condition, a, body)), 1)
+    return 1
+
+
+def _counter_step(condition: list[str], counter: str, body: list[str]) -> int:
+    """What a while body adds to the loop counter ``counter`` (a tuple element of the
+    condition's parameter) each trip: a constant, else 1."""
+    index = next((re.search(r"index=(\d+)", ln) for ln in condition
+                  if re.match(rf"\s*%?{re.escape(counter)} = \S+ get-tuple-element\(", ln)), None)
+    root = next((ln for ln in body if ln.lstrip().startswith("ROOT ") and " tuple(" in ln), None)
+    if index is None or root is None:
+        return 1
+    operands = [o.strip().lstrip("%") for o in re.sub(r"/\*[^*]*\*/", "", root.split(" tuple(", 1)[1]).split(",")]
+    k = int(index.group(1))
+    if k >= len(operands):
+        return 1
+    name = operands[k].rstrip(")")
+    constants = {m.group(1): int(m.group(2)) for m in map(_INT_CONSTANT.match, body) if m}
+    for ln in body:
+        m = re.match(rf"\s*%?{re.escape(name)} = \S+ add\(%?([\w.\-]+), %?([\w.\-]+)\)", ln)
+        if m:
+            step = constants.get(m.group(2), constants.get(m.group(1)))
+            return step if step and step > 0 else 1
     return 1
 
 
@@ -194,7 +219,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]
             w = _WHILE.search(line)
             if w:
                 trip = _TRIP.search(line)
-                n = int(trip.group(1)) if trip else _counted_trips(bodies.get(w.group(1), []), bodies)
+                n = int(trip.group(1)) if trip else _counted_trips(bodies.get(w.group(1), []), bodies,
+                                                                    bodies.get(w.group(2), []))
                 visit(w.group(2), times * n, True)
                 continue
             called = callees(line, comp)

@@ -60,6 +60,45 @@ def test_collectives_inside_scan_count_trip_times():
     assert dot_flops(text)["f32"] == 5 * 2 * 8 * 16 * 64
 
 
+WINDOWED = """\
+HloModule m
+
+%body (p: (f32[256], u32[])) -> (f32[256], u32[]) {
+  %p = (f32[256], u32[]) parameter(0)
+  %acc = f32[256] get-tuple-element(%p), index=0
+  %i = u32[] get-tuple-element(%p), index=1
+  %two = u32[] constant(2)
+  %next = u32[] add(%i, %two)
+  %cp.0 = f32[256] collective-permute(%acc), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp.1 = f32[256] collective-permute(%cp.0), channel_id=2, source_target_pairs={{0,3},{1,0},{2,1},{3,2}}
+  ROOT %t = (f32[256], u32[]) tuple(%cp.1, /*index=1*/%next)
+}
+
+%cond (q: (f32[256], u32[])) -> pred[] {
+  %bound = u32[] constant(8)
+  %q = (f32[256], u32[]) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=1
+  ROOT %lt = pred[] compare(%j, %bound), direction=LT
+}
+
+ENTRY %main (x: f32[256]) -> (f32[256], u32[]) {
+  %x = f32[256] parameter(0)
+  %zero = u32[] constant(0)
+  %init = (f32[256], u32[]) tuple(%x, %zero)
+  ROOT %w = (f32[256], u32[]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_windowed_einsum_loop_counts_its_trips_by_its_counters_step():
+    # libtpu's windowed einsum (a matmul whose result is reduce-scattered, done as a ring of
+    # collective-permutes) counts an unsigned i < N and adds 2 a trip (mixtral on a v5p: read as one
+    # trip, its permutes were a third of what the program moves; RESULTS.md, session 30).
+    mesh = make_jax_mesh(("x",), (4,))
+    found = collectives(WINDOWED, mesh)
+    assert [(c.kind, c.count) for c in found] == [("collective-permute", 4.0)] * 2
+
+
 def test_hbm_bytes_counts_fused_reads_and_writes_and_slices_only_what_they_keep():
     from shardplan.hlo import hbm_bytes
     x = jax.ShapeDtypeStruct((1024,), jnp.float32)
