@@ -2,7 +2,7 @@
 
     python benchmarks/compiled_peak.py --model llama-tiny --mesh h100-8 --axes data=8,model=1 \\
         [--batch 128] [--target gpu|tpu|cpu] [--top 25] [--remat full] [--pipeline auto]
-        [--memory-budget 60GiB] [--xla name=value,...]
+        [--memory-budget 60GiB] [--xla name=value,...] [--dump DIR]
 
 Plans the reference model (scanned, fp32, AdamW) as ``audit_matrix.py`` does, compiles it for the
 target with XLA's dumps on (the TPU with VMEM placement off, as the audit), and reads the

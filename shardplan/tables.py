@@ -105,4 +105,27 @@ def dot_table(enum, dot, role: str, tid: int, spec_of: dict, derived, groups) ->
                         cells[i, j] += MISCOMPILED_S
     else:
         cells = m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
+        stacked = enum.stacked_input(tid) if m.gpu is not None else None
+        if stacked is not None:
+            cells = cells + _relayout_seconds(enum, stacked, shape, haves, [w[0] for w in wants]) / dot.mult
     return dot.mult * cells[np.ix_(w_index, h_index)]
+
+
+def _relayout_seconds(enum, stacked: int, shape, haves: list, wants: list) -> np.ndarray:
+    """``[wants, haves]`` seconds a GPU spends laying a stacked loop input out again once a step,
+    where the loop gathers its slice along a dimension that is not the slice's major one: XLA's
+    GPU all-gather needs the gathered dimension major, and its layout assignment gives that
+    layout to the whole stacked input before the loop, a copy of it (llama3-8b on h100-8 (2, 4):
+    bf16[7168,32,4096] copies of two FFN weights, 1.75 GiB each, through the step; RESULTS.md,
+    session 30). Its memory is not modelled; this price (the copy's HBM read and write) makes
+    the planner prefer the spec that gathers along the major dimension where both cost the same."""
+    m = enum.m
+    t = enum.g.tensors[stacked]
+    major = next((d for d, n in enumerate(shape) if n > 1), 0)
+    out = np.zeros((len(wants), len(haves)))
+    for j, have in enumerate(haves):
+        for i, want in enumerate(wants):
+            if any(set(have[d]) - set(want[d]) for d in range(major + 1, len(shape))):
+                out[i, j] = 2 * m.per_device_bytes(t.shape, t.dtype.itemsize, ((),) + tuple(have)) \
+                    / m.mesh.device.hbm_bandwidth
+    return out
