@@ -177,6 +177,7 @@ class Graph:
         self.made_by: dict[int, tuple[str, list[int]]] = {}   # a result -> (the primitive that made it, its inputs)
         self.stacked_into: dict[int, int] = {}          # a stacked body tensor -> the scan's result
         self.scanned_into: dict[int, list[int | None]] = {}   # a scan's operand -> body inputs (None: const, carry)
+        self._slices: dict[int, int] | None = None   # stacked_input's map, made once the graph is built
         # Inputs of a differentiated jax.checkpoint with prevent_cse: JAX lowers them behind an
         # optimization barrier, where XLA needs each in a buffer of its own (traffic.copied_slices).
         self.barriered: set[int] = set()
@@ -266,6 +267,14 @@ class Graph:
     # -- queries -------------------------------------------------------------------------------
     def group_of(self, tid: int) -> int:
         return self._groups.find(tid)
+
+    def stacked_input(self, tid: int) -> int | None:
+        """The step input a loop body's ``tid`` is a per-trip slice of (a scanned layer's weight)."""
+        if self._slices is None:
+            inputs = set(self.inputs)
+            self._slices = {b: t for t, bodies in self.scanned_into.items() if t in inputs
+                            for b in bodies if b is not None}
+        return self._slices.get(tid)
 
     def dim_class(self, tid: int, dim: int) -> int:
         return self._dims.find(self.dim_key(tid, dim))

@@ -64,7 +64,6 @@ class Enumerator:
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
         self._untrafficked: list[np.ndarray] = []     # per node of _full, its cost less the ILP's HBM traffic
         self._ends: tuple | None = None          # build()'s node of each tensor, edge and dot operand
-        self._slices: dict[int, int] | None = None   # a loop body's slice -> the stacked step input
         # Tables priced for some options of their two nodes (:meth:`build` with ``allowed``),
         # by (edge or dot and side, options of one node, of the other): a search by mesh axes
         # asks for the same ones round after round.
@@ -288,14 +287,6 @@ class Enumerator:
         float32 operands at DEFAULT precision on a TPU (libtpu rounds them to bfloat16 for the
         one-pass matmul before it gathers them), else the operand's own."""
         return 2 if dot.bf16_pass and self.m.tiled else t.dtype.itemsize
-
-    def stacked_input(self, tid: int) -> int | None:
-        """The step input a loop body's ``tid`` is a slice of (a scanned layer's weight), if any."""
-        if self._slices is None:
-            inputs = set(self.g.inputs)
-            self._slices = {b: t for t, bodies in self.g.scanned_into.items() if t in inputs
-                            for b in bodies if b is not None}
-        return self._slices.get(tid)
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""

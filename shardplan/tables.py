@@ -105,7 +105,7 @@ def dot_table(enum, dot, role: str, tid: int, spec_of: dict, derived, groups) ->
                         cells[i, j] += MISCOMPILED_S
     else:
         cells = m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
-        stacked = enum.stacked_input(tid) if m.gpu is not None else None
+        stacked = g.stacked_input(tid) if m.gpu is not None else None
         if stacked is not None:
             cells = cells + _relayout_seconds(enum, stacked, shape, haves, [w[0] for w in wants]) / dot.mult
     return dot.mult * cells[np.ix_(w_index, h_index)]
@@ -124,8 +124,9 @@ def _relayout_seconds(enum, stacked: int, shape, haves: list, wants: list) -> np
     major = next((d for d, n in enumerate(shape) if n > 1), 0)
     out = np.zeros((len(wants), len(haves)))
     for j, have in enumerate(haves):
-        for i, want in enumerate(wants):
-            if any(set(have[d]) - set(want[d]) for d in range(major + 1, len(shape))):
-                out[i, j] = 2 * m.per_device_bytes(t.shape, t.dtype.itemsize, ((),) + tuple(have)) \
-                    / m.mesh.device.hbm_bandwidth
+        gathered = [i for i, want in enumerate(wants)
+                    if any(set(have[d]) - set(want[d]) for d in range(major + 1, len(shape)))]
+        if gathered:
+            out[gathered, j] = 2 * m.per_device_bytes(t.shape, t.dtype.itemsize, ((),) + tuple(have)) \
+                / m.mesh.device.hbm_bandwidth
     return out
