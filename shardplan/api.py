@@ -112,13 +112,25 @@ def _axis_types(sharding) -> tuple:
     return tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()))
 
 
+def _tied_state(traced: TracedStep, graph) -> frozenset[int] | None:
+    """The step's state outputs, for the emitter to tie the loss and metrics before the loops
+    that follow them (:func:`~shardplan.apply.pinned_before_loops`), on a TPU: libtpu's
+    scheduler runs them after the backward loop otherwise, XLA's GPU scheduler does not (and a
+    barrier there moves its head gradient past the loop instead: llama3-8b on h200-8 compiles
+    3 GiB larger with it; RESULTS.md, session 31). ``None``: no ties."""
+    if graph.compiler != "tpu" or not traced.state_pairs:
+        return None
+    return frozenset(o for _, o in traced.state_pairs)
+
+
 class _Compiled:
     """One traced signature: its plan and the jitted planned function."""
 
     def __init__(self, traced: TracedStep, plan: Plan, graph, mesh: jax.sharding.Mesh, jit_kwargs: dict):
         self.traced, self.plan, self.mesh, self.graph = traced, plan, mesh, graph
         run = constrained_function(traced.closed, graph, plan.specs_by_tensor(), plan.dot_operands, mesh,
-                                   plan.operand_pins, plan.result_pins, plan.rewrites)
+                                   plan.operand_pins, plan.result_pins, plan.rewrites,
+                                   state=_tied_state(traced, graph))
         self.in_shardings = Plan.flat_shardings(plan.inputs, mesh)
         out_sh = Plan.flat_shardings(plan.outputs, mesh)
         flat_donate = tuple(i for i, d in enumerate(traced.donated) if d)
