@@ -21,6 +21,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 # (weight of compute, of memory, of the reduction, fixed cost of a split) per architecture.
 _WEIGHTS = {
@@ -88,6 +89,23 @@ def split_k(batch: int, m: int, n: int, k: int, gpu: Gpu | None, *, lhs_bits: in
 def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
     """Bytes of the float32 partial sums of a matmul split ``s`` ways (0 unsplit)."""
     return 0.0 if s <= 1 else 4.0 * s * batch * m * n
+
+
+def partials_live(split: list[tuple], reduced: list[bool], points: int, running: list[int], held: list[int],
+                  combining: list[int], heap: float) -> np.ndarray:
+    """A GPU matmul's float32 partial sums live at each of ``points`` checkpoints, per option
+    (``split``: each option's ``(batch, m, n, k, split)``; ``reduced``: whether its result is
+    reduced over mesh axes). They are live while the matmul runs (``running``); a small split's
+    also wait while another matmul that the kernel summing them reads runs (``held``:
+    liveness.summing_kernels), and on a Hopper GPU any split's wait for the last matmul of those
+    whose reductions feed one combined collective, where the option's result is reduced
+    (``combining``: liveness.combined_matmuls)."""
+    memory = np.zeros((points, len(split)))
+    partial = np.array([partial_bytes(b, m, n, s) for b, m, n, _, s in split]) * heap
+    memory[running] = partial[None, :]
+    memory[held] = np.where([s <= SUMMED_IN_READER for *_, s in split], partial, 0.0)[None, :]
+    memory[combining] = np.maximum(memory[combining], np.where(reduced, partial, 0.0)[None, :])
+    return memory
 
 
 def splits(gpu: Gpu | None, batch: int, m: int, n: int, k: int, lhs_dtype, rhs_dtype, out_dtype) -> int:

@@ -523,17 +523,10 @@ class Enumerator:
             held = [p for p, ops in enumerate(g.held) if dot.out in ops]
             combining = [p for p, ops in enumerate(g.combining) if dot.out in ops]
             if (running or held or combining) and self.m.gpu is not None:
-                # While a GPU matmul split K ways runs, its float32 partial sums are live too; a
-                # small split's also wait while another matmul the kernel summing them reads runs
-                # (liveness.summing_kernels), and on a Hopper GPU any split's wait for the last
-                # matmul of those whose reductions feed one combined collective, where this
-                # option's result is reduced (liveness.combined_matmuls).
-                split = [self._split_k(dot, o) for o in options]
-                partials = np.array([splitk.partial_bytes(b, m, n, s) for b, m, n, _, s in split]) * heap
-                memory[running] = partials[None, :]
-                memory[held] = np.where([s <= splitk.SUMMED_IN_READER for *_, s in split], partials, 0.0)[None, :]
-                reduced = np.array([bool(self.dot_specs(dot, o)[3]) for o in options])
-                memory[combining] = np.maximum(memory[combining], np.where(reduced, partials, 0.0)[None, :])
+                # a GPU matmul split K ways: its float32 partial sums (splitk.partials_live)
+                memory = splitk.partials_live([self._split_k(dot, o) for o in options],
+                                              [bool(self.dot_specs(dot, o)[3]) for o in options],
+                                              len(points), running, held, combining, heap)
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
