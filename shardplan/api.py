@@ -14,7 +14,7 @@ from typing import Any, overload
 import jax
 
 from shardplan.apply import constrained_function
-from shardplan import footprint, sequence
+from shardplan import footprint, sequence, targets
 from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.walk import build_graph
@@ -112,13 +112,14 @@ def _axis_types(sharding) -> tuple:
     return tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()))
 
 
-def _tied_state(traced: TracedStep, graph) -> frozenset[int] | None:
+def _tied_state(traced: TracedStep, platform: str) -> frozenset[int] | None:
     """The step's state outputs, for the emitter to tie the loss and metrics before the loops
-    that follow them (:func:`~shardplan.apply.pinned_before_loops`), on a TPU: libtpu's
-    scheduler runs them after the backward loop otherwise, XLA's GPU scheduler does not (and a
-    barrier there moves its head gradient past the loop instead: llama3-8b on h200-8 compiles
-    3 GiB larger with it; RESULTS.md, session 31). ``None``: no ties."""
-    if graph.compiler != "tpu" or not traced.state_pairs:
+    that follow them (:func:`~shardplan.apply.pinned_before_loops`), where libtpu compiles the
+    program (``platform``: its devices'; the same on every process): its scheduler runs them
+    after the backward loop otherwise. XLA's GPU scheduler does not, and a barrier there moves
+    its head gradient past the loop instead (llama3-8b on h200-8 compiles 3 GiB larger with it;
+    RESULTS.md, session 31). ``None``: no ties."""
+    if platform != "tpu" or not traced.state_pairs:
         return None
     return frozenset(o for _, o in traced.state_pairs)
 
@@ -130,7 +131,7 @@ class _Compiled:
         self.traced, self.plan, self.mesh, self.graph = traced, plan, mesh, graph
         run = constrained_function(traced.closed, graph, plan.specs_by_tensor(), plan.dot_operands, mesh,
                                    plan.operand_pins, plan.result_pins, plan.rewrites,
-                                   state=_tied_state(traced, graph))
+                                   state=_tied_state(traced, mesh.devices.flat[0].platform))
         self.in_shardings = Plan.flat_shardings(plan.inputs, mesh)
         out_sh = Plan.flat_shardings(plan.outputs, mesh)
         flat_donate = tuple(i for i, d in enumerate(traced.donated) if d)
@@ -269,7 +270,6 @@ class AutoFunction:
         target (``"gpu"``, ``"tpu"``), or ``None`` (no loop)."""
         fit = self.fit_compiled
         if isinstance(fit, str):
-            from shardplan import targets
             target = targets.resolve(fit, self.mesh_spec)
             if not targets.available(target):
                 raise ShardplanError(f"fit_compiled={fit!r}: the {target.upper()} compiler is not installed; "
@@ -357,7 +357,6 @@ class AutoFunction:
         devices; ``"gpu"`` / ``"tpu"``, the real compiler of the hardware the plan is priced for,
         with no such device present (never run); ``"auto"``, that where installed. Returns
         ``(compiled, jax_mesh, compiler)``."""
-        from shardplan import targets
         c = self._compiled(args, kwargs)
         abstract = self._abstract(c, args, kwargs)
         spec = c.plan.mesh_spec or self.mesh_spec       # the mesh it was priced on (a stage axis included)
@@ -376,7 +375,6 @@ class AutoFunction:
 
         >>> print(step.audit_for("auto", state, batch).table())         # doctest: +SKIP
         """
-        from shardplan import targets
         from shardplan.audit import audit
         compiled, jax_mesh, compiler = self.compile_for(target, *args, **kwargs)
         c = self._compiled(args, kwargs)
@@ -408,7 +406,6 @@ def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: lis
     """``(compiled, jax_mesh, compiler)``: ``c``'s plan compiled by ``target``'s compiler over
     compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.targets`); never run.
     ``options``: XLA compile options (:data:`shardplan.targets.HBM_ONLY_OPTIONS`)."""
-    from shardplan import targets
     mesh, compiler = targets.target_mesh(spec, target)
     other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
     with Status() as line:

@@ -2,7 +2,7 @@
 them: the emitted program ties each small result of a large tensor that no loop and no state
 reads (the loss's label gather, a metric's argmax) to the next loop's input through an
 ``optimization_barrier``, so libtpu cannot keep the logits alive through the loop to compute it
-later (it did: RESULTS.md, session 31). Not on a GPU or CPU, whose schedulers do not."""
+later (it did: RESULTS.md, session 31). Not for a GPU or CPU, whose schedulers do not."""
 
 import json
 import os
@@ -15,21 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jcore
-from jax.sharding import AxisType
 
 import shardplan
-from shardplan import apply, targets, trace
+from shardplan import api, apply, targets, trace
 from shardplan.mesh import _preset_dir, mesh_from_dict
 
-MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+VOCAB, D, LAYERS, B, S = 512, 32, 3, 8, 16
 
 
 def _v5e_8():
-    """An 8-chip v5e slice (data 2, model 4): its plans compile for and run on the 8 CPU devices."""
+    """An 8-chip v5e slice (data 2, model 4): its plans run on the 8 CPU devices."""
     data = tomllib.loads((_preset_dir() / "tpu-v5e-256.toml").read_text())
     data["name"], data["topology"]["devices_per_node"] = "tpu-v5e-8", 8
     return mesh_from_dict(data, source="test", axes={"data": 2, "model": 4})
-VOCAB, D, LAYERS, B, S = 512, 32, 3, 8, 16
 
 
 def _init():
@@ -101,10 +99,28 @@ def _barriers(lowered_text: str) -> int:
     return lowered_text.count("stablehlo.optimization_barrier")
 
 
-def test_a_tpu_plan_holds_one_barrier_and_computes_what_jit_computes_in_a_loop():
+def test_only_a_program_libtpu_compiles_is_tied_and_every_process_decides_alike():
+    """The tie follows the platform of the devices the program is compiled for, which every
+    process of a multi-controller job shares: a plan made on process 0 and one bound from its
+    JSON on another emit the same program."""
+    traced = _traced()
+    assert api._tied_state(traced, "tpu") == frozenset(o for _, o in traced.state_pairs)
+    assert api._tied_state(traced, "gpu") is None and api._tied_state(traced, "cpu") is None
+
+
+def _tied_on_cpu(monkeypatch):
+    """Ties on these CPU devices too, as libtpu's program has them."""
+    tied = api._tied_state
+    monkeypatch.setattr(api, "_tied_state", lambda traced, platform: tied(traced, "tpu"))
+
+
+def test_the_tied_step_computes_what_jit_computes_in_a_loop(monkeypatch):
+    _tied_on_cpu(monkeypatch)
     params, (tokens, labels) = _init(), _batch()
     planned = shardplan.auto(step, mesh=_v5e_8(), donate_argnums=(0,), cache=False)
     assert _barriers(planned.lower(params, tokens, labels).as_text()) == 1
+    given = shardplan.auto(step, plan=shardplan.Plan.from_json(planned.plan.to_json()), donate_argnums=(0,))
+    assert _barriers(given.lower(params, tokens, labels).as_text()) == 1     # as another process binds it
     plain = jax.jit(step)
     got, want = jax.tree.map(jnp.copy, params), params
     for _ in range(3):
@@ -116,14 +132,14 @@ def test_a_tpu_plan_holds_one_barrier_and_computes_what_jit_computes_in_a_loop()
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_a_cpu_or_gpu_plan_holds_no_barrier():
+def test_a_program_for_cpu_devices_holds_no_barrier():
     params, (tokens, labels) = _init(), _batch()
-    for mesh in (MESH, shardplan.load_mesh("h100-8", axes={"data": 2, "model": 4})):
-        planned = shardplan.auto(step, mesh=mesh, donate_argnums=(0,), cache=False)
-        assert _barriers(planned.lower(params, tokens, labels).as_text()) == 0
+    planned = shardplan.auto(step, mesh=_v5e_8(), donate_argnums=(0,), cache=False)
+    assert _barriers(planned.lower(params, tokens, labels).as_text()) == 0
 
 
-def test_the_barrier_keeps_the_tied_values_and_the_loop_input_at_their_planned_specs():
+def test_the_barrier_keeps_the_tied_values_and_the_loop_input_at_their_planned_specs(monkeypatch):
+    _tied_on_cpu(monkeypatch)
     params, (tokens, labels) = _init(), _batch()
     planned = shardplan.auto(step, mesh=_v5e_8(), donate_argnums=(0,), cache=False)
     planned.make_plan(params, tokens, labels)
@@ -145,7 +161,6 @@ def test_the_barrier_keeps_the_tied_values_and_the_loop_input_at_their_planned_s
     constrained = {v for e in readers if e.primitive.name == "sharding_constraint" for v in e.invars}
     planned_specs = [v for v in barrier.outvars if len(v.aval.shape)]
     assert planned_specs and set(planned_specs) <= constrained
-
 
 
 def sequence(compiled_text: str) -> list[str]:
