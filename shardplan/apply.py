@@ -81,13 +81,14 @@ def pinned_before_loops(jaxpr, state: frozenset[int]) -> tuple[dict[int, list], 
     stateful = {v for k, v in enumerate(jaxpr.outvars) if k in state and not isinstance(v, jcore.Literal)}
     returned = set(outs)      # what reaches an output: a result nothing reads is dead code, left so
     loops = [i for i, e in enumerate(eqns) if _has_loop(e)]
+    reads = [_reads(e) for e in eqns]
     needed: set = set()
     for i in range(len(eqns) - 1, -1, -1):
         e = eqns[i]
         if i in loops:
             needed.update(v for v in e.invars if not isinstance(v, jcore.Literal))
             continue
-        for v, ins in zip(e.outvars, _reads(e)):
+        for v, ins in zip(e.outvars, reads[i]):
             for reach in (needed, stateful, returned):
                 if v in reach:
                     reach.update(ins)
@@ -96,7 +97,7 @@ def pinned_before_loops(jaxpr, state: frozenset[int]) -> tuple[dict[int, list], 
         after = [j for j in loops if j > i]
         if not after or i in loops:
             continue
-        for v, ins in zip(e.outvars, _reads(e)):
+        for v, ins in zip(e.outvars, reads[i]):
             read = max((_nbytes([x]) for x in ins), default=0)
             if v in returned and v not in needed and v not in stateful \
                     and read >= _REDUCES * max(_nbytes([v]), 1):
