@@ -14,7 +14,7 @@ from typing import Any, overload
 import jax
 
 from shardplan.apply import constrained_function
-from shardplan import footprint, sequence, targets
+from shardplan import defaults, footprint, sequence, targets
 from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
 from shardplan.walk import build_graph
@@ -206,7 +206,7 @@ class AutoFunction:
                  cache=True, plan: Plan | str | os.PathLike | None = None, fit_compiled: bool | str | None = None,
                  pipeline=None, remat=None, context=None, **jit_kwargs):
         functools.update_wrapper(self, fn)
-        self.pipeline = None if pipeline == "off" else pipeline
+        self.pipeline = pipeline
         self.context = sequence.check_setting(context)
         self.remat = remat_setting(remat)
         self.cache = cache
@@ -247,23 +247,34 @@ class AutoFunction:
 
     def _plan_for(self, trace: Callable[[], TracedStep]):
         """``plan_for(budget) -> (plan, graph, traced step)``: the step planned under ``budget``
-        (inside each candidate pipeline and recomputation where asked), the same plan on every process."""
-        if self.pipeline is None and self.remat is None and self.context is None:
-            traced = trace()
+        (inside each candidate pipeline and recomputation where asked, or where the defaults
+        search them: :mod:`shardplan.defaults`), the same plan on every process."""
+        plain = (defaults.pipeline_default(self.mesh_spec, self.pipeline, self.context) is None
+                 and self.remat in (None, "off") and self.context in (None, "off"))
+        traced = trace() if plain else None      # the step as written, traced once for every budget
 
-            def plan_for(budget: int):
-                plan, graph = share_plan(lambda: plan_traced(traced, self.mesh_spec, budget, self.options, self.cache),
-                                         lambda p: bind_plan(p, traced, "the plan from process 0"))
-                return plan, graph, traced
-            return plan_for
+        def make(budget: int):
+            written = None
+            if plain:
+                try:
+                    plan, graph = plan_traced(traced, self.mesh_spec, budget, self.options, self.cache)
+                    return plan, (graph, traced)
+                except InfeasibleBudgetError as e:      # the defaults may search the families (or re-raise)
+                    written = e
+            return plan_search(trace, self.mesh_spec, budget, self.options, self.cache, self.pipeline, self.remat,
+                               self.context, written=written)
 
-        def plan_searched(budget: int):
-            plan, (graph, traced) = share_plan(
-                lambda: plan_search(trace, self.mesh_spec, budget, self.options, self.cache, self.pipeline,
-                                     self.remat, self.context),
-                lambda q: _bind_in_pipeline(q, trace, "the plan from process 0"))
-            return plan, graph, traced
-        return plan_searched
+        def bind(q: Plan):
+            source = "the plan from process 0"
+            if plain and q.pipeline is None and q.remat is None and q.context is None:
+                bound, graph = bind_plan(q, traced, source)       # the step as written: traced already
+                return bound, (graph, traced)
+            return _bind_in_pipeline(q, trace, source)
+
+        def plan_for(budget: int):
+            plan, (graph, traced_step) = share_plan(lambda: make(budget), bind)
+            return plan, graph, traced_step
+        return plan_for
 
     def _fit_target(self, mesh: jax.sharding.Mesh) -> str | None:
         """Where the compiled-budget loop compiles: ``"here"`` (this mesh's devices), a deviceless

@@ -40,13 +40,6 @@ class _Parser(argparse.ArgumentParser):
 
 # Flag types: a bad value fails while the flags are parsed, before anything is traced or solved.
 
-def _pipeline_for(setting, mesh, context: str = "off"):
-    """``--pipeline`` as the planner takes it (``None``: no pipeline). Unset: auto on a mesh of
-    several nodes, unless context parallelism is asked for (it is not planned with a pipeline)."""
-    setting = setting or ("auto" if mesh.nodes > 1 and context == "off" else "off")
-    return None if setting == "off" else setting
-
-
 def _pipeline_setting(text: str):
     if text in ("auto", "off"):
         return text
@@ -216,7 +209,7 @@ def _cmd_plan(args) -> int:
     # with the sharding (shardplan.recompute), as remat= does in Python: the same refusals
     # (offload on a CPU mesh) and the plan says which it applied.
     ref = reference(args.model, scan=args.scan, remat="none")
-    print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat}, "
+    print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat or 'default'}, "
           f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
           file=sys.stderr, flush=True)
     state = jax.eval_shape(ref.init, jax.random.key(0))
@@ -231,8 +224,7 @@ def _cmd_plan(args) -> int:
                 print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
         else:
             kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
-                          pipeline=_pipeline_for(args.pipeline, mesh, args.context),
-                          remat=_remat_for(args.remat), context=args.context)
+                          pipeline=args.pipeline, remat=_remat_for(args.remat), context=args.context)
             if args.verify is None:
                 plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
             else:
@@ -286,8 +278,8 @@ def _cmd_audit(args) -> int:
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(args.batch, abstract=True)
     f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
-                       time_limit=args.time_limit, pipeline=_pipeline_for(args.pipeline, mesh),
-                       remat=_remat_for(args.remat))
+                       time_limit=args.time_limit, pipeline=args.pipeline, remat=_remat_for(args.remat),
+                       context=args.context)
     with _interruptible():
         f.make_plan(state, batch)
         if f.plan.pipeline is not None:
@@ -297,9 +289,10 @@ def _cmd_audit(args) -> int:
     return 1 if report.divergences() else 0
 
 
-def _remat_for(setting: str):
-    """``--remat`` as ``remat=``: none leaves the reference model's layers as written."""
-    return None if setting == "none" else setting
+def _remat_for(setting: str | None):
+    """``--remat`` as ``remat=``: none (or off) leaves the reference model's layers as written;
+    unset, the default (searched where the step as written does not fit: shardplan.defaults)."""
+    return "off" if setting in ("none", "off") else setting
 
 
 def _cmd_mesh(args, extra: list[str]) -> int:
@@ -437,16 +430,17 @@ def _main(argv: list[str]) -> int:
                                                 "'search' tries every data x model shape and keeps the best")
     p.add_argument("--batch", type=_int_at_least(1, "--batch 16"), default=16, help="global batch size")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
-    p.add_argument("--remat", default="none", choices=REMAT_CHOICES + ("auto",),
-                   help="activation recomputation per layer: none, dots (keep matmul results), full (keep layer "
-                        "inputs), or auto (each layer class's policy chosen with the sharding: the fastest plan "
-                        "that fits the budget)")
+    p.add_argument("--remat", default=None, choices=REMAT_CHOICES + ("auto", "off"),
+                   help="activation recomputation per layer: none or off (as written), dots (keep matmul results), "
+                        "full (keep layer inputs), or auto (each layer class's policy chosen with the sharding: the "
+                        "fastest plan that fits the budget); default: as written, auto where that does not fit")
     p.add_argument("--pipeline", type=_pipeline_setting, default=None,
                    help="pipeline stages: auto (plan each candidate pipeline, keep the best), off, or a number "
                         "of stages (default: auto on a mesh of several nodes, else off)")
-    p.add_argument("--context", choices=("auto", "off"), default="off",
+    p.add_argument("--context", choices=("auto", "off"), default=None,
                    help="attention split over the sequence (models written with shardplan.attention, e.g. "
-                        "llama3-8b-128k): auto plans it unsplit and each way to split it, and keeps the best")
+                        "llama3-8b-128k): auto plans it unsplit and each way to split it, and keeps the best; "
+                        "default: unsplit, auto where that does not fit")
     p.add_argument("--memory-budget", type=_byte_size, default=None,
                    help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the device, meshes/README.md)")
     p.add_argument("--time-limit", type=_time_limit, default=30.0,
@@ -461,7 +455,8 @@ def _main(argv: list[str]) -> int:
                         "program exceeds the budget")
     a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
                                      "HLO (exit 1 when a figure diverges)")
-    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--memory-budget", "--time-limit"):
+    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--context", "--memory-budget",
+                 "--time-limit"):
         action = next(x for x in p._actions if flag in x.option_strings)
         kwargs = dict(default=action.default, help=action.help, choices=action.choices)
         if isinstance(action, argparse.BooleanOptionalAction):

@@ -195,6 +195,13 @@ def rewritten(fun: Callable, attention: Callable | None, record: Callable | None
             closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
         except TypeError:          # arguments or results that are not arrays: nothing this can rewrite
             return fun(*args, **kwargs)
+        out_tree = jax.tree.structure(out_shape)
+
+        def as_written():
+            # ``fun`` traced above, run from its trace: calling it again would run its Python
+            # twice (an NNX transform pops its graph state once per call; a Linen body advances
+            # its RNG streams).
+            return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
                  for v in closed.jaxpr.invars]
         try:
@@ -206,9 +213,9 @@ def rewritten(fun: Callable, attention: Callable | None, record: Callable | None
             warnings.warn(f"shardplan: the attention {getattr(fun, '__name__', 'the function')} writes out could "
                           f"not be searched ({type(e).__name__}: {e}); it is planned as written, without a "
                           "sequence split", stacklevel=2)
-            return fun(*args, **kwargs)
+            return as_written()
         if not found or attention is None:
-            return fun(*args, **kwargs)            # as written: the same program, the same jaxpr
+            return as_written()                    # as written: the same program, the same jaxpr
         outs = _Interpreter(attention).eval(inlined.jaxpr, inlined.consts, flat)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return jax.tree.unflatten(out_tree, outs)
     return run

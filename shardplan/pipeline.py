@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan import recompute
+from shardplan import recompute, stacks
 from shardplan.errors import ShardplanError
 from shardplan.walk import SHIFT_CALL
 
@@ -146,6 +146,15 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardplan_pipeline", d
 _SEEN: contextvars.ContextVar = contextvars.ContextVar("shardplan_layer_scans", default=None)
 
 
+@dataclasses.dataclass
+class Seen:
+    """What :func:`seen_stacks` yields: the stacks a pipeline could split (``sites``) and, for the
+    layer stacks recognised in plain loops that it cannot, why (``refused``)."""
+
+    sites: list = dataclasses.field(default_factory=list)
+    refused: list = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass(frozen=True)
 class StackSite:
     """A :func:`layer_scan` met while a step was traced outside a pipeline: its layer count, the
@@ -159,9 +168,10 @@ class StackSite:
 
 @contextlib.contextmanager
 def seen_stacks():
-    """Within this context, every :func:`layer_scan` traced outside a pipeline appends a
-    :class:`StackSite` to the list it yields (what a pipeline could split, and into what)."""
-    found: list[StackSite] = []
+    """Within this context, every :func:`layer_scan` (or layer stack recognised in a plain loop,
+    :func:`recognising`) traced outside a pipeline adds a :class:`StackSite` to the
+    :class:`Seen` it yields (what a pipeline could split, and into what), or why it cannot."""
+    found = Seen()
     token = _SEEN.set(found)
     try:
         yield found
@@ -171,9 +181,11 @@ def seen_stacks():
 
 @dataclasses.dataclass
 class Use:
-    """What :func:`pipelined` yields: whether the traced step ran a :func:`layer_scan` pipeline."""
+    """What :func:`pipelined` yields: whether the traced step ran a :func:`layer_scan` pipeline,
+    and why each layer stack recognised in a plain loop that it met could not be pipelined."""
 
     pipelined: int = 0
+    refused: list = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -206,7 +218,9 @@ def pipelined(config: PipelineConfig, mesh: jax.sharding.Mesh | jax.sharding.Abs
 
 def layer_scan(f, init, xs, length: int | None = None):
     """``jax.lax.scan(f, init, xs)`` over a stack of layers (``xs``: the stacked layer
-    parameters, leading dimension the layer), pipelined inside :func:`pipelined`.
+    parameters, leading dimension the layer), pipelined inside :func:`pipelined`. A plain
+    ``jax.lax.scan`` over stacked weights is recognised as the same (:func:`recognising`); this
+    marks a stack explicitly.
 
     Under a pipeline ``f`` must return ``(carry, None)`` and every carry leaf must have the batch
     as its leading dimension.
@@ -215,22 +229,93 @@ def layer_scan(f, init, xs, length: int | None = None):
     ...     return h + jnp.tanh(h @ layer["w"]), None
     >>> h, _ = layer_scan(body, h, {"w": stacked})   # was: jax.lax.scan(body, h, {"w": stacked})
     """
+    with stacks.inside():
+        return _stack(f, init, xs, length, recompute.caller(1), None, {})
+
+
+def _stack(f, init, xs, length, where: str, why_not, scan_kwargs: dict, checkpointed: bool | None = None,
+           written=None):
+    """A layer stack's scan at ``where``: recomputed as its class is, pipelined where one is
+    active and ``why_not`` (``None``, or ``why_not()``: why this stack cannot be) allows.
+    ``checkpointed``: whether ``f`` recomputes itself (``None``: found by tracing it).
+    ``written``: the body as the model wrote it, where ``f`` is it traced once at the step's
+    shapes (:func:`shardplan.stacks.traced_once`): a pipeline runs microbatches, of other shapes."""
+    active, seen = _ACTIVE.get(), _SEEN.get()
+    reason = why_not() if why_not is not None and (active is not None or seen is not None) else None
+    if reason is not None:
+        _refuse(where, reason)
+        active = None
     # Recomputed as the planner chose for this stack's layer class (shardplan.recompute), if it
     # chose; in a pipeline the layers run under a vmap over the stages (and one over row groups).
-    active = _ACTIVE.get()
     vmapped = 0 if active is None else 1 + (active[0].replicas > 1)
-    f = recompute.scan_body(f, init, xs, recompute.caller(1), vmapped)
+    once = f
+    f = recompute.scan_body(f if active is None or written is None else written, init, xs, where, vmapped,
+                            checkpointed)
     if active is None:
-        seen = _SEEN.get()
         leaves = jax.tree.leaves(xs)
-        if seen is not None and leaves and leaves[0].ndim:
+        if seen is not None and reason is None and leaves and leaves[0].ndim:
             batches = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(init)}
-            seen.append(StackSite(leaves[0].shape[0], batches.pop() if len(batches) == 1 else None,
-                                  sum(x.size * x.dtype.itemsize for x in leaves)))
-        return jax.lax.scan(f, init, xs, length=length)
+            seen.sites.append(StackSite(leaves[0].shape[0], batches.pop() if len(batches) == 1 else None,
+                                        sum(x.size * x.dtype.itemsize for x in leaves)))
+        return stacks.ORIGINAL_SCAN(f, init, xs, length=length, **scan_kwargs)
     config, mesh, use = active
     use.pipelined += 1
-    return _pipeline(f, init, xs, config, mesh), None
+    carry = _pipeline(f, init, xs, config, mesh, ys_aside=why_not is not None)
+    if why_not is None:
+        return carry, None
+    # A plain scan's caller unpacks ys as the body made them (Linen's nn.scan maps over their
+    # structure; NNX's are the layers' state updates). They do not depend on the activation
+    # (stacks.why_not_pipelined): each layer's, from its stacked inputs and any carry.
+    zeros = jax.tree.map(jnp.zeros_like, init)
+    return carry, stacks.ORIGINAL_SCAN(lambda _, x: (None, once(zeros, x)[1]), None, xs, length=length)[1]
+
+
+def _refuse(where: str, reason: str) -> None:
+    """Note why the layer stack at ``where`` is not pipelined, for the active pipeline's
+    :class:`Use` or :func:`seen_stacks`' :class:`Seen` (where either is active)."""
+    active, seen = _ACTIVE.get(), _SEEN.get()
+    note = f"the layer stack at {where}: {reason}"
+    if active is not None:
+        active[2].refused.append(note)
+    elif seen is not None:
+        seen.refused.append(note)
+
+
+def _plain_scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
+    """``jax.lax.scan`` while a step is traced (:func:`recognising`): a layer stack
+    (:func:`shardplan.stacks.classify_scan`) runs as :func:`layer_scan`, its body traced once
+    (:func:`shardplan.stacks.traced_once`); any other loop as written."""
+    found = stacks.classify_scan(f, init, xs, length, reverse)
+    if found is None:
+        return stacks.ORIGINAL_SCAN(f, init, xs, length, reverse=reverse, unroll=unroll, **kwargs)
+    body = stacks.traced_once(f, init, stacks.one_layer(xs))
+    with stacks.inside():
+        return _stack(body.fn, init, xs, length, found.where,
+                      lambda: stacks.why_not_pipelined(body, init, xs, found.layers), dict(unroll=unroll, **kwargs),
+                      checkpointed=recompute.recomputes(body.jaxpr.jaxpr), written=f)
+
+
+def _plain_fori(lower, upper, body_fun, init_val, **kwargs):
+    """``jax.lax.fori_loop`` while a step is traced (:func:`recognising`): over a layer stack
+    (:func:`shardplan.stacks.classify_fori`) its body is a layer class for recomputation; no
+    pipeline splits it (the reason is kept for the plan)."""
+    found = stacks.classify_fori(lower, upper, init_val)
+    if found is None:
+        return stacks.ORIGINAL_FORI(lower, upper, body_fun, init_val, **kwargs)
+    _refuse(found.where, found.unpipelinable)
+    index = jax.ShapeDtypeStruct((), jnp.result_type(lower, upper))
+    body = stacks.traced_once(body_fun, index, init_val)
+    with stacks.inside():
+        fn = recompute.loop_body(body.fn, (index, init_val), found.layers, found.where,
+                                 checkpointed=recompute.recomputes(body.jaxpr.jaxpr))
+        return stacks.ORIGINAL_FORI(lower, upper, fn, init_val, **kwargs)
+
+
+def recognising():
+    """Within this context (while shardplan traces a step, :func:`shardplan.stacks.step_inputs`),
+    ``jax.lax.scan`` and ``jax.lax.fori_loop`` calls over layer stacks run as :func:`layer_scan`
+    does: recomputed as their layer class is chosen, pipelined inside :func:`pipelined`."""
+    return stacks.PATCH.installed(_plain_scan, _plain_fori)
 
 
 def _rolled(a, shift: int):
@@ -260,7 +345,7 @@ def _constrain(x, mesh, axis: str | None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _pipeline(f, init, xs, config: PipelineConfig, mesh):
+def _pipeline(f, init, xs, config: PipelineConfig, mesh, ys_aside: bool = False):
     S, M, R = config.stages, config.microbatches, config.repeats
     leaves = jax.tree.leaves(xs)
     if not leaves:
@@ -293,7 +378,7 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh):
                             f"replicas={D} groups; use replicas dividing {mb}")
     # One layer's shapes, not a slice of the stack (a traced slice would stay in the step).
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
-    ys = jax.eval_shape(lambda c, x: f(c, x)[1], init, layer)
+    ys = () if ys_aside else jax.eval_shape(lambda c, x: f(c, x)[1], init, layer)
     if jax.tree.leaves(ys):
         raise PipelineError("under a pipeline the layer_scan body must return (carry, None): per-layer outputs "
                             "are not collected; keep what you need in the carry (leaves with the batch first), "

@@ -16,7 +16,8 @@ import math
 import jax
 
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, StackSite, pipelined, seen_stacks
+from shardplan.pipeline import (PipelineConfig, PipelineError, Schedule, StackSite, pipelined, recognising,
+                                seen_stacks)
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16
@@ -125,12 +126,15 @@ def candidates(mesh: MeshSpec, setting, stack: StackSite | None = None,
     return out
 
 
-def probe(trace) -> StackSite | None:
-    """The step's layer stack (:func:`~shardplan.pipeline.layer_scan`), from tracing it outside a
-    pipeline: ``None`` where it has none, or more than one of different shapes."""
-    with seen_stacks() as seen:
+def probe(trace) -> tuple[StackSite | None, list[str]]:
+    """``(the step's layer stack, why its other layer stacks cannot be pipelined)``, from tracing
+    it outside a pipeline: a :func:`~shardplan.pipeline.layer_scan` or a plain loop recognised as
+    one (:func:`~shardplan.pipeline.recognising`); ``None`` where it has none, or more than one of
+    different shapes."""
+    with seen_stacks() as seen, recognising():
         trace()
-    return seen[0] if seen and len(set(seen)) == 1 else None
+    sites = seen.sites
+    return (sites[0] if sites and len(set(sites)) == 1 else None), seen.refused
 
 
 def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) \
@@ -142,12 +146,14 @@ def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) \
     searches stage counts. Each list is in :func:`_promise` order. The reason is ``None`` unless
     ``"auto"`` found a layer stack but no stage count to split it in."""
     searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
-    stack = probe(trace) if searched else None
+    stack, refused = probe(trace) if searched else (None, [])
     first = sorted(candidates(mesh, setting, stack, budget_bytes), key=_promise)
     if setting != "auto":
         return first, [], None
     deeper = sorted(candidates(mesh, setting, stack, budget_bytes, deep=True), key=_promise)
     why = None
+    if stack is None and refused:
+        why = "pipeline='auto' tried no pipeline: " + "; ".join(refused)
     if stack is not None and all(c.config is None for c in first + deeper):
         outer, name = mesh.axis_sizes[0], mesh.axis_names[0]
         counts = [s for s in range(2, min(outer, MAX_DEEP_STAGES) + 1) if outer % s == 0]
@@ -172,12 +178,16 @@ def _promise(c: Candidate) -> tuple:
 
 
 def trace_for(trace, config: PipelineConfig | None, axis_names, axis_sizes):
-    """``trace()`` (a step's trace) inside ``config``'s pipeline on a mesh of these axes (as it
-    is where ``config`` is ``None``). ``None`` where the pipeline does not apply (the step has no
-    :func:`~shardplan.pipeline.layer_scan`)."""
+    """``(traced step, why not pipelined)``: ``trace()`` (a step's trace, its plain layer stacks
+    recognised: :func:`~shardplan.pipeline.recognising`) inside ``config``'s pipeline on a mesh
+    of these axes (as it is where ``config`` is ``None``). The traced step is ``None`` where the
+    pipeline does not apply (the step has no layer stack it can split), and the reasons say why
+    each stack met was not split."""
     if config is None:
-        return trace()
+        with recognising():
+            return trace(), []
     auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
-    with pipelined(config, jax.sharding.AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types=auto)) as use:
+    with pipelined(config, jax.sharding.AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types=auto)) as use, \
+            recognising():
         traced = trace()
-    return traced if use.pipelined else None
+    return (traced if use.pipelined else None), use.refused

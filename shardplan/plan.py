@@ -132,6 +132,9 @@ class Plan:
     # the traced step moves a pipeline's stages (shardplan.pipeline.stage_shift): with ``pipeline``
     # None, a pipeline of the step's own (traced inside shardplan.pipelined), planned around
     stage_shifts: bool = False
+    # family ("pipeline", "remat", "context") -> the best candidate of another choice the search
+    # planned, and its predicted step against this plan's (for explain); empty where none searched
+    searched: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -191,11 +194,10 @@ class Plan:
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
                                       or "none"),
-                 "pipeline: " + (self.pipeline_config().describe() if self.pipeline else
-                                 "the step's own (traced inside pipelined(...)), planned around" if self.stage_shifts
-                                 else "none"),
-                 "recomputation: " + _describe_remat(self.remat),
-                 "context parallelism: " + (self.context_config().describe() if self.context else "none"),
+                 "pipeline: " + (self.choice("pipeline") if self.pipeline or not self.stage_shifts else
+                                 "the step's own (traced inside pipelined(...)), planned around") + self._beat("pipeline"),
+                 "recomputation: " + self.choice("remat") + self._beat("remat"),
+                 "context parallelism: " + self.choice("context") + self._beat("context"),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
                                                       for k, v in c.memory_bytes_by_role.items()),
                  f"solver: {self.solver.status}, objective {self.solver.objective * 1e3:.3f} ms "
@@ -226,6 +228,17 @@ class Plan:
         """The :class:`~shardplan.pipeline.PipelineConfig` the step is traced in, or ``None``."""
         from shardplan.pipeline import PipelineConfig
         return None if self.pipeline is None else PipelineConfig.from_json(self.pipeline)
+
+    def choice(self, family: str) -> str:
+        """What this plan does for a parallelism ``family``: ``"pipeline"``, ``"remat"`` or ``"context"``."""
+        if family == "pipeline":
+            return self.pipeline_config().describe() if self.pipeline else "none"
+        if family == "remat":
+            return _describe_remat(self.remat)
+        return self.context_config().describe() if self.context else "none"
+
+    def _beat(self, family: str) -> str:
+        return f" ({self.searched[family]})" if family in self.searched else ""
 
     # -- identity and serialisation ------------------------------------------------------------------
     def digest(self) -> str:
@@ -260,7 +273,7 @@ class Plan:
             "cost": dataclasses.asdict(self.cost), "solver": solver,
             "fingerprint": self.fingerprint, "signature": list(self.signature), "warnings": list(self.warnings),
             "pipeline": self.pipeline, "remat": self.remat, "context": self.context,
-            "stage_shifts": self.stage_shifts}
+            "stage_shifts": self.stage_shifts, "searched": dict(self.searched)}
 
     def to_json(self) -> str:
         """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
@@ -318,7 +331,8 @@ class Plan:
                 {"key": str(r["key"]), "where": str(r["where"]), "layers": int(r["layers"]),
                  "policy": str(r["policy"])} for r in data["remat"]["sites"]]},
             context=None if data.get("context") is None else dict(data["context"]),
-            stage_shifts=bool(data.get("stage_shifts", False)))
+            stage_shifts=bool(data.get("stage_shifts", False)),
+            searched={str(k): str(v) for k, v in data.get("searched", {}).items()})
 
     def _inconsistency(self) -> str:
         """What makes a loaded plan unusable, or ``""``."""
@@ -459,3 +473,18 @@ def _describe_remat(remat: dict | None) -> str:
     if not remat or not remat.get("sites"):
         return "as the step is written"
     return "; ".join(f"{s['where']} ({s['layers']} layers): {s['policy']}" for s in remat["sites"])
+
+
+def runner_up(completed: list[Plan], best: Plan, family: str) -> str:
+    """For :attr:`Plan.searched`: the fastest of ``completed`` whose choice for ``family``
+    differs from ``best``'s, and its predicted step against ``best``'s."""
+    others = [p for p in completed if p.choice(family) != best.choice(family)]
+    if not others:
+        return "no other candidate fitted the budget or could beat it"
+    other = min(others, key=lambda p: p.cost.step_s)
+    return f"best other: {other.choice(family)}, predicted {_seconds(other.cost.step_s)} against " \
+           f"{_seconds(best.cost.step_s)}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"

@@ -142,12 +142,13 @@ def _shapes(tree) -> str:
     return ",".join(f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}" for x in leaves)
 
 
-def _recomputes(jaxpr) -> bool:
+def recomputes(jaxpr) -> bool:
+    """Whether ``jaxpr`` recomputes anything itself (a ``jax.checkpoint`` inside, at any depth)."""
     from jax.extend.core import jaxprs_in_params
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("checkpoint", "remat2", "remat"):
             return True
-        if any(_recomputes(getattr(j, "jaxpr", j)) for j in jaxprs_in_params(eqn.params)):
+        if any(recomputes(getattr(j, "jaxpr", j)) for j in jaxprs_in_params(eqn.params)):
             return True
     return False
 
@@ -156,20 +157,24 @@ def _already_checkpointed(f, args) -> bool:
     """Whether ``f`` on abstract ``args`` recomputes anything itself (a ``jax.checkpoint`` inside)."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
     try:
-        return _recomputes(jax.make_jaxpr(f)(*abstract).jaxpr)
+        return recomputes(jax.make_jaxpr(f)(*abstract).jaxpr)
     except Exception:          # noqa: BLE001 - a body we cannot trace alone is traced in place, as written
         return False
 
 
-def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int, *, scanned: bool) -> str | None:
-    """The policy the active context gives this class (``None``: leave ``f`` as it is)."""
+def _policy_for(where: str, shape_sig: str, f, probe_args, layers: int, *, scanned: bool,
+                checkpointed: bool | None = None) -> str | None:
+    """The policy the active context gives this class (``None``: leave ``f`` as it is);
+    ``checkpointed``: whether ``f`` recomputes itself (``None``: found by tracing it)."""
     active = _ACTIVE.get()
     if active is None:
         return None
     key = f"{where}#{hashlib.sha256(shape_sig.encode()).hexdigest()[:8]}"
     site = active.sites.get(key)
     if site is None:
-        site = active.sites[key] = Site(key, where, 0, _already_checkpointed(f, probe_args), scanned)
+        if checkpointed is None:
+            checkpointed = _already_checkpointed(f, probe_args)
+        site = active.sites[key] = Site(key, where, 0, checkpointed, scanned)
     site.layers += layers
     if isinstance(active.choices, str):
         policy = active.choices
@@ -192,15 +197,28 @@ def _wrap(f, policy: str | None, *, in_scan: bool, vmapped: int = 0):
     return jax.checkpoint(f, policy=checkpoint_policy(policy, vmapped), prevent_cse=not in_scan)
 
 
-def scan_body(f, init, xs, where: str, vmapped: int = 0):
+def scan_body(f, init, xs, where: str, vmapped: int = 0, checkpointed: bool | None = None):
     """``f`` (a :func:`~shardplan.pipeline.layer_scan` body) under its class's policy;
-    ``vmapped``: the ``vmap`` levels it will run under (:func:`checkpoint_policy`)."""
+    ``vmapped``: the ``vmap`` levels it will run under (:func:`checkpoint_policy`);
+    ``checkpointed``: whether ``f`` recomputes itself (``None``: found by tracing it)."""
     if _ACTIVE.get() is None:
         return f
     leaves = jax.tree.leaves(xs)
     layers = int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
-    policy = _policy_for(where, _shapes((init, xs)), f, (init, one), layers, scanned=True)
+    return loop_body(f, (init, one), layers, where, vmapped, shapes=(init, xs), checkpointed=checkpointed)
+
+
+def loop_body(f, probe_args: tuple, layers: int, where: str, vmapped: int = 0, shapes=None,
+              checkpointed: bool | None = None):
+    """``f``, the body of a loop over ``layers`` layers run from ``where`` (a scan's or a
+    ``fori_loop``'s, called with arguments shaped as ``probe_args``), under its class's policy.
+    ``shapes``: what tells the class apart (default ``probe_args``); ``checkpointed``: as
+    :func:`scan_body`'s."""
+    if _ACTIVE.get() is None:
+        return f
+    policy = _policy_for(where, _shapes(probe_args if shapes is None else shapes), f, probe_args, layers,
+                         scanned=True, checkpointed=checkpointed)
     return _wrap(f, policy, in_scan=True, vmapped=vmapped)
 
 

@@ -21,9 +21,10 @@ Spec = tuple[tuple[str, ...], ...]
 
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                "reduce_xor"}
-# Params that do not stop a same-shape op from being elementwise.
+# Params that do not stop a same-shape op from being elementwise. ``reshard`` (``dst_sharding``:
+# NNX draws dropout masks through it under ``nnx.vmap``) moves no data on the planner's Auto axes.
 _ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype", "exponent_bits",
-                       "mantissa_bits"}
+                       "mantissa_bits", "dst_sharding", "concrete_mesh"}
 # Primitives of jax.random: key creation, splitting, folding and bit generation.
 _RANDOM = {"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_bits",
            "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform"}

@@ -13,11 +13,11 @@ import threading
 from collections.abc import Callable
 
 from shardplan import cache as plan_cache
-from shardplan import pipeline_search, recompute, sequence
+from shardplan import defaults, pipeline_search, recompute, sequence
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
 from shardplan.mesh import MeshSpec
 from shardplan.pipeline import PipelineError
-from shardplan.plan import Plan
+from shardplan.plan import Plan, runner_up
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status, silenced
 from shardplan.solver import StopToken, stoppable
@@ -48,16 +48,21 @@ def plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: P
     return p, graph
 
 
+NO_LAYERS = ("the step has no layer stack (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan "
+             "run, a jax.lax.fori_loop over layers under jax.grad, a shardplan.layer_scan or shardplan.layer_remat)")
+
+
 class _NoLayerScan(PipelineError):
     """The step has no layer_scan: no candidate pipeline applies."""
 
 
 def remat_setting(remat):
-    """``remat=`` checked: ``None``, ``"auto"``, a policy name or ``{class key: policy}``."""
-    if remat is None or remat == "auto":
+    """``remat=`` checked: ``None`` (the default), ``"off"``, ``"auto"``, a policy name or
+    ``{class key: policy}``."""
+    if remat is None or remat in ("auto", "off"):
         return remat
     if not isinstance(remat, (str, dict)):
-        raise recompute.RecomputeError(f"remat={remat!r}: give 'auto', None or a policy name "
+        raise recompute.RecomputeError(f"remat={remat!r}: give 'auto', 'off', None or a policy name "
                                        f"({', '.join(recompute.POLICIES)})")
     with recompute.recomputing(remat):     # checks every name
         pass
@@ -66,11 +71,17 @@ def remat_setting(remat):
 
 def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes):
     """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
-    none; the traced step is ``None`` where it has no layer_scan to pipeline) with recomputation
-    ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the step as written)."""
+    none) with recomputation ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the
+    step as written). Raises :class:`_NoLayerScan` where the step has no layer stack to pipeline."""
     with contextlib.ExitStack() as stack:
         sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
-        traced = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
+        traced, refused = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
+    if traced is None:
+        raise _NoLayerScan(
+            "the step has no layer stack a pipeline can split"
+            + (": " + "; ".join(refused) if refused else
+               " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a shardplan.layer_scan)")
+            + "; plan with pipeline='off'")
     return traced, sites
 
 
@@ -98,6 +109,19 @@ def _check_offload(remat, mesh_spec: MeshSpec) -> None:
 
 
 def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
+                cache, setting=None, remat=None, context=None, written=None) -> tuple[Plan, tuple]:
+    """``(plan, (graph, traced step))``: the step planned with each family as set, a family left
+    at its default (``None``) searched where it can help (:func:`shardplan.defaults.planned`):
+    a pipeline on a mesh of several nodes; recomputation, a sequence split and (on one node) a
+    pipeline where the step as written does not fit the budget. ``"off"`` keeps the step as
+    written. ``written``: the step as written already planned (``(plan, rest)``) or found not to
+    fit (its :class:`InfeasibleBudgetError`)."""
+    return defaults.planned(
+        lambda p, r, c: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c),
+        mesh_spec, budget_for(memory_budget, mesh_spec), setting, remat, context, written)
+
+
+def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
                  cache, setting, remat=None, context=None) -> tuple[Plan, tuple]:
     """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
     ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
@@ -106,7 +130,7 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     (:func:`shardplan.sequence.search`); the lowest predicted step that fits the budget kept."""
     _check_offload(remat, mesh_spec)
     if context is not None:
-        return sequence.search(trace, lambda t: plan_search(t, mesh_spec, memory_budget, options, cache, setting,
+        return sequence.search(trace, lambda t: _plan_pinned(t, mesh_spec, memory_budget, options, cache, setting,
                                                               remat), mesh_spec, context, setting)
     cands, deeper, untried = pipeline_search.rounds(mesh_spec, setting, trace, budget_for(memory_budget, mesh_spec))
     if untried:
@@ -122,9 +146,6 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes)
         met.clear()
         met.update(sites)
-        if traced is None:
-            raise _NoLayerScan("the step has no shardplan.pipeline.layer_scan: nothing to pipeline (call "
-                                "layer_scan where the model scans its layers, or plan with pipeline='off')")
         return traced, sites
 
     def plan_in(cand, choices, beat=math.inf, traced=None):
@@ -142,9 +163,12 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
         return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
                                    remat=_remat_record(sites, choices)), (graph, traced), sites
 
+    completed = []       # every plan that came back: the candidates each family's choice beat
+
     def keep(found, ties=False):
         nonlocal best
         for p, rest in found:
+            completed.append(p)
             if best is None or p.cost.step_s < best[0].cost.step_s or ties and p.cost.step_s == best[0].cost.step_s:
                 best = (p, rest)
 
@@ -219,6 +243,7 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
                     if sites:
                         _, first, _ = recompute.search(evaluate, sites, say=say, first=first,
                                                        policies=recompute.policies_for(host_apart(cand.mesh)))
+                    completed.extend(p for p, _ in made.values() if p is not first)
                     found = [] if first is None else [made[id(first)]]
             except (PipelineError, InfeasibleBudgetError) as e:
                 failures.append(e)
@@ -234,14 +259,22 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     if best is None:
         # The least memory any candidate needed, else why none applied.
         infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
-        raise min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+        error = min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
+        if remat == "auto" and no_layers and isinstance(error, InfeasibleBudgetError):
+            error.no_layers = True
+        raise error
     if untried:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (untried,)), best[1])
+    searched = dict(best[0].searched)
+    if any(c is not None and c.config is not None for c in cands):
+        searched["pipeline"] = runner_up(completed, best[0], "pipeline")
+    if remat == "auto" and (best[0].remat or {}).get("sites"):
+        searched["remat"] = runner_up(completed, best[0], "remat")
+    best = (dataclasses.replace(best[0], searched=searched), best[1])
     if (no_layers or remat not in (None, "auto")) and not (best[0].remat or {}).get("sites"):
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            f"remat={remat!r}: the step has no shardplan.layer_scan or shardplan.layer_remat, so no layer's "
-            "recomputation could be " + ("chosen" if remat == "auto" else "set") + "; the step is planned as "
-            "written",)), best[1])
+            f"remat={remat!r}: {NO_LAYERS}, so no layer's recomputation could be "
+            + ("chosen" if remat == "auto" else "set") + "; the step is planned as written",)), best[1])
     return best
 
 
@@ -276,9 +309,10 @@ def traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep
     choices = None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
     if plan.context is not None:
         trace = sequence.traced_in(trace, plan.context_config(), plan.axis_names, plan.axis_sizes)
-    traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
-    if traced is None:
-        raise PlanMismatchError("the plan pipelines the step's layer_scan, but this step has none")
+    try:
+        traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
+    except _NoLayerScan as e:
+        raise PlanMismatchError(f"the plan pipelines a layer stack, but in this step {e}") from None
     missing = [s["where"] for s in (plan.remat or {}).get("sites", ()) if s["key"] not in sites]
     if missing:
         raise PlanMismatchError(f"the plan recomputes the layer class at {missing[0]}, which this step does not "

@@ -30,6 +30,7 @@ from shardplan import context as cp
 from shardplan import einsum_attention
 from shardplan.context import LoadBalance, Strategy
 from shardplan.errors import ShardplanError
+from shardplan.plan import runner_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +233,10 @@ def traced_in(trace, config: ContextConfig | None, axis_names, axis_sizes, use: 
 
 
 def check_setting(setting):
-    """``setting`` as ``context=`` takes it: ``None``, ``"off"``, ``"auto"`` or a :class:`ContextConfig`."""
+    """``setting`` as ``context=`` takes it: ``None`` (the default: :mod:`shardplan.defaults`),
+    ``"off"``, ``"auto"`` or a :class:`ContextConfig`."""
     if setting is None or isinstance(setting, ContextConfig) or (isinstance(setting, str) and setting in ("auto", "off")):
-        return None if setting == "off" else setting
+        return setting
     raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
 
 
@@ -257,7 +259,7 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
         configs = [None] + candidates(use.sites, dict(zip(names, sizes)))
     else:
         raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
-    best, failures = None, []
+    best, failures, completed = None, [], []
     for k, config in enumerate(configs):
         if len(configs) > 1:
             with Status() as line:
@@ -276,6 +278,7 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
                 f"context={config.describe()!r}: {_NOTHING_TO_SPLIT}; the step is planned as written",))
         else:
             p = dataclasses.replace(p, context=None if config is None else config.to_json())
+        completed.append(p)
         if best is None or p.cost.step_s < best[0].cost.step_s:
             best = (p, rest)
     if best is None:
@@ -284,6 +287,9 @@ def search(trace, plan_one, mesh_spec, setting, pipeline=None):
         if setting == "auto" and not use.sites and error.args:
             error.args = (f"{error.args[0]}\n(context='auto' could not help: {_NOTHING_TO_SPLIT})",) + error.args[1:]
         raise error
+    if len(configs) > 1:
+        best = (dataclasses.replace(best[0], searched={**best[0].searched,
+                                                       "context": runner_up(completed, best[0], "context")}), best[1])
     if setting == "auto" and not use.sites:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
             f"context='auto': {_NOTHING_TO_SPLIT}, so no sequence split could be chosen; the step is planned as "

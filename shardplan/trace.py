@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from shardplan import stacks
 from shardplan.errors import PlanMismatchError
 from shardplan.progress import Status
 
@@ -176,7 +177,7 @@ def trace_step(fn: Callable, args: Sequence, kwargs: dict | None = None, call: C
         names.append((f"[{arg}]" + _leaf_name(path[2:])) if which == 0 else _leaf_name(path[1:]))
         arg_of.append(arg)
     abstract = [abstract_leaf(x) for _, x in with_path]
-    with Status() as line, _auto_context():
+    with Status() as line, _auto_context(), stacks.step_inputs(abstract):
         line.say(f"tracing {getattr(fn, '__name__', 'the step')} ({len(abstract)} input arrays)")
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
         line.done(f"traced: {len(closed.jaxpr.eqns)} equations at the top level")

@@ -531,3 +531,26 @@ def test_plan_command_pipelines_the_reference_model(capsys):
     assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--pipeline", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("shardplan: error: 2 layers do not split into 4 stages"), err
+
+
+def test_plan_command_searches_recomputation_by_default_where_the_step_does_not_fit(capsys):
+    """No --remat: the reference model as written, and where that does not fit the budget, the
+    recomputation the planner chooses; a budget nothing meets lists each family tried, exit 2."""
+    from shardplan.sizes import parse_bytes
+    peaks = {}
+    for remat in ("off", "full"):
+        assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--remat", remat,
+                     "--time-limit", "2", "--activations", "0"]) == 0
+        peaks[remat] = parse_bytes(capsys.readouterr().out.split("peak memory ")[1].split("/device")[0])
+    budget = (peaks["full"] + peaks["off"]) // 2
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--memory-budget", str(budget),
+                 "--time-limit", "2", "--activations", "0"]) == 0
+    out = capsys.readouterr().out
+    assert next(x for x in out.splitlines() if x.startswith("recomputation: ")).split(" (best other")[0].endswith(
+        tuple(f": {p}" for p in ("dots_all", "dots", "full")))
+    assert "planned with recomputation (remat='auto'), searched by default" in out
+    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--memory-budget", "64KiB",
+                 "--time-limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "Tried, with the least memory each needs:" in err and "recomputation (remat='auto'): needs" in err
+    assert "Traceback" not in err

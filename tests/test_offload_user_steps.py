@@ -525,14 +525,23 @@ def test_unrolled_offload_host_bytes_match_the_gpu_compiler():
     assert a.host.predicted_bytes == pytest.approx(a.host.compiled_bytes, rel=0.15)
 
 
-def test_a_named_policy_with_no_layer_classes_is_warned_about():
+def test_a_named_policy_reaches_a_plain_scan_and_a_step_without_layer_classes_is_warned_about():
+    # A plain jax.lax.scan over stacked weights is a layer class (shardplan.stacks): a policy named for
+    # all replaces its own checkpoint.
     step, state, batch = _plain_scan_step(policy=jax.checkpoint_policies.everything_saveable)
+    p = shardplan.plan(step, _abstract(state), _abstract(batch), mesh="h100-8", remat="offload", **KW)
+    assert [s["policy"] for s in p.remat["sites"]] == ["offload"] and p.cost.offload_bytes > 0
+    # Two layers written out, no loop and no shardplan.layer_remat: no layer class to give the policy.
+    tx = optax.adam(1e-3)
+    step = _optax_step(lambda params, x, y: jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2), tx)
+    params = {"w1": jnp.ones((64, 256)) * 0.01, "w2": jnp.ones((256, 8)) * 0.01}
+    state, batch = (params, tx.init(params)), {"x": jnp.ones((64, 64)), "y": jnp.ones((64, 8))}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = shardplan.plan(step, _abstract(state), _abstract(batch), mesh="h100-8", remat="offload", **KW)
     assert p.cost.offload_bytes == 0
     said = list(p.warnings) + [str(w.message) for w in caught]
-    assert any("layer_scan" in w or "layer_remat" in w for w in said), said
+    assert any("the step has no layer stack" in w for w in said), said
 
 
 def test_unrolled_adam_step_predicts_its_temporaries():

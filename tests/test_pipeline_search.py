@@ -144,7 +144,8 @@ def test_a_step_without_layer_scan_has_nothing_to_pipeline():
     w, x = jax.ShapeDtypeStruct((32, 32), np.float32), jax.ShapeDtypeStruct((16, 32), np.float32)
     mesh = shardplan.load_mesh("cpu-8", axes={"data": 8})
     assert shardplan.plan(step, w, x, mesh=mesh, pipeline="auto", cache=False).pipeline is None
-    with pytest.raises(PipelineError, match=r"the step has no shardplan.pipeline.layer_scan"):
+    with pytest.raises(PipelineError, match=r"the step has no layer stack a pipeline can split \(a jax.lax.scan over "
+                                            r"stacked layer weights"):
         shardplan.plan(step, w, x, mesh=mesh, pipeline=2, cache=False)
 
 

@@ -221,14 +221,15 @@ def test_tight_memory_with_tensor_parallel_gives_megatron_sequence_parallel():
     ref = reference("gpt-tiny", scan=True, d_model=1024, n_heads=8, d_ff=4096, seq_len=1024, vocab=256)
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(1, abstract=True)
     mesh = shardplan.load_mesh("h100-8", axes={"model": 8})
+    as_written = dict(remat="off", context="off")      # the sharding alone holds the budget
     loose = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5)
     with pytest.raises(InfeasibleBudgetError) as least:
-        shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=1)
+        shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=1, **as_written)
     # A quarter of the way from the leanest plan to the unconstrained one: activations crowd it.
     lean = least.value.min_feasible_bytes
     assert lean < loose.cost.memory_bytes
     budget = int(lean + 0.25 * (loose.cost.memory_bytes - lean))
-    p = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=budget)
+    p = shardplan.plan(ref.train_step, state, batch, mesh=mesh, time_limit=5, memory_budget=budget, **as_written)
     P = jax.sharding.PartitionSpec
     specs = {r.name: r.partition_spec for r in p.inputs}
     blocks = "[0]['params']['layers']['blocks']"

@@ -230,4 +230,4 @@ def test_a_step_without_layer_markers_says_so():
         return w - 0.1 * g, loss
     p = shardplan.plan(step, jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32),
                        mesh="cpu-8", remat="auto", cache=False)
-    assert p.remat == {"sites": []} and any("no shardplan.layer_scan or shardplan.layer_remat" in w for w in p.warnings)
+    assert p.remat == {"sites": []} and any("the step has no layer stack" in w for w in p.warnings)

@@ -63,7 +63,8 @@ def test_a_short_sequence_with_ample_memory_is_not_split():
 def test_a_sequence_too_long_for_any_unsplit_plan_gets_context_parallelism():
     step, args = _step(2, 2048, 8), _args(2, 2048)
     with pytest.raises(shardplan.InfeasibleBudgetError):
-        shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", memory_budget="48MiB")
+        shardplan.plan(step, *args, mesh=make_jax_mesh(**MESH), hardware="h100-8", memory_budget="48MiB",
+                       context="off")
     f = _run(step, args, context="auto", memory_budget="48MiB")
     assert f.plan.context is not None and f.plan.cost.memory_bytes <= 48 * 2**20
     moved = {"allgather": "all-gather", "ulysses": "all-to-all", "ring": "collective-permute"}

@@ -30,20 +30,11 @@ def _mesh(axes):
     return shardplan.load_mesh("cpu-8", axes=MESHES[axes])
 
 
-def _loop(us, f):
-    """``state, metrics = f(state, ...)`` N_STEPS times from the builder's state; (final state, losses)."""
-    state, losses = us.args[0], []
-    for _ in range(N_STEPS):
-        state, metrics = us.call(f, state)
-        losses.append(float(metrics["loss"]))
-    return state, np.array(losses)
-
-
 @functools.cache
 def _reference(name):
     """The plain unsharded jax.jit step (same static/donate options): losses and final parameters."""
     us = build(name)
-    state, losses = _loop(us, jax.jit(us.fn, **us.jit))
+    state, losses = us.loop(jax.jit(us.fn, **us.jit), N_STEPS)
     assert np.all(np.isfinite(losses)), losses
     return losses, jax.tree.map(np.asarray, us.params_of(state))
 
@@ -55,7 +46,7 @@ def _run_planned(name, mesh, memory_budget=None):
     us = build(name)
     planned = shardplan.auto(us.fn, mesh=_mesh(mesh), memory_budget=memory_budget, time_limit=TIME_LIMIT,
                              **us.jit)
-    state, losses = _loop(us, planned)
+    state, losses = us.loop(planned, N_STEPS)
     expected_losses, expected_params = _reference(name)
     np.testing.assert_allclose(losses, expected_losses, rtol=LOSS_RTOL.get(name, 1e-5))
     if us.check_params:

@@ -43,6 +43,15 @@ class UserStep:
         """One step of ``f`` (jitted or planned) from ``state``: ``state, metrics = f(state, ...)``."""
         return f(state, *self.args[1:], **self.kwargs)
 
+    def loop(self, f, steps: int):
+        """``state, metrics = f(state, ...)`` ``steps`` times from the builder's state (donated
+        where ``f`` donates it): ``(final state, losses)``."""
+        state, losses = self.args[0], []
+        for _ in range(steps):
+            state, metrics = self.call(f, state)
+            losses.append(float(metrics["loss"]))
+        return state, np.array(losses)
+
     def num_params(self) -> int:
         return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(self.params_of(self.args[0])))
 
