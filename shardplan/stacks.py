@@ -8,7 +8,7 @@ inputs include a stacked weight of the step's arguments (a leaf of shape ``[laye
 is one of the step's input leaves, cast or not) is a layer stack, and so is a differentiated
 ``fori_loop`` with static bounds over an activation. A layer stack is a layer class for
 recomputation, and where its carry is the activation (every carry leaf with the batch first) and
-its body collects nothing per layer, a stack a pipeline can split. Everything else runs as
+what its body collects per layer does not depend on it, a stack a pipeline can split. Everything else runs as
 written. :func:`classify_scan` and :func:`classify_fori` say which, :func:`why_not_pipelined`
 why a stack cannot be pipelined; :mod:`shardplan.pipeline` routes the calls.
 
