@@ -447,7 +447,8 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     hardware's real compiler with no such device present (:mod:`shardplan.targets`, ``[aot]``
     extra); ``step.fit_attempts`` lists the compiles.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
-    same devices). ``remat``, ``context``: as :func:`plan`'s. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    same devices). ``remat``, ``context``: as :func:`plan`'s; each family left at ``None`` is
+    searched where it can help (:mod:`shardplan.defaults`), ``"off"`` keeps the step as written. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
@@ -473,22 +474,28 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
          remat=None, context=None, **kwargs) -> Plan:
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
 
-    ``pipeline``: ``None``/``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`,
-    a number of stages, or ``"auto"``: the step is planned inside each candidate pipeline of
-    its :func:`~shardplan.pipeline.layer_scan` (:mod:`shardplan.pipeline_search`) and the plan
-    with the lowest predicted step that fits is kept; ``plan.pipeline`` says which.
+    Each family left at ``None`` (the default) is searched where it can help
+    (:mod:`shardplan.defaults`): a pipeline on a mesh of several nodes; recomputation, a
+    sequence split and (on one node) a pipeline where the step as written does not fit the
+    budget. ``"off"`` keeps the step exactly as written; ``plan.warnings`` says which family a
+    default chose, and ``plan.explain()`` the best candidate each search's choice beat.
 
-    ``remat``: ``None`` (the step's recomputation as written), a policy name of
+    ``pipeline``: ``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`, a
+    number of stages, or ``"auto"``: the step is planned inside each candidate pipeline of its
+    layer stack (a plain ``jax.lax.scan`` over stacked layer weights, :mod:`shardplan.stacks`, or
+    a :func:`~shardplan.pipeline.layer_scan`; :mod:`shardplan.pipeline_search`) and the plan with
+    the lowest predicted step that fits is kept; ``plan.pipeline`` says which.
+
+    ``remat``: ``"off"`` (the step's recomputation as written), a policy name of
     :data:`shardplan.recompute.POLICIES` for every layer class, or ``"auto"``: each layer class
-    (a :func:`~shardplan.pipeline.layer_scan` call or a :func:`~shardplan.recompute.layer_remat`
-    layer) gets the policy that, planned jointly with the sharding, gives the lowest predicted
-    step within the budget (:func:`shardplan.recompute.search`); ``plan.remat`` says which.
+    (a layer stack, or a :func:`~shardplan.recompute.layer_remat` layer) gets the policy that,
+    planned jointly with the sharding, gives the lowest predicted step within the budget
+    (:func:`shardplan.recompute.search`); ``plan.remat`` says which.
 
-    ``context``: ``None``/``"off"`` (each :func:`shardplan.attention` call runs as
-    ``jax.nn.dot_product_attention``), a :class:`~shardplan.sequence.ContextConfig`, or
-    ``"auto"``: the step is planned with its attention unsplit and split over the sequence each
-    way :func:`shardplan.sequence.candidates` lists (all-gather, Ulysses, ring), the fastest
-    that fits kept; ``plan.context`` says which.
+    ``context``: ``"off"`` (each attention runs as written), a
+    :class:`~shardplan.sequence.ContextConfig`, or ``"auto"``: the step is planned with its
+    attention unsplit and split over the sequence each way :func:`shardplan.sequence.candidates`
+    lists (all-gather, Ulysses, ring), the fastest that fits kept; ``plan.context`` says which.
 
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
     """

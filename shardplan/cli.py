@@ -436,7 +436,8 @@ def _main(argv: list[str]) -> int:
                         "fastest plan that fits the budget); default: as written, auto where that does not fit")
     p.add_argument("--pipeline", type=_pipeline_setting, default=None,
                    help="pipeline stages: auto (plan each candidate pipeline, keep the best), off, or a number "
-                        "of stages (default: auto on a mesh of several nodes, else off)")
+                        "of stages (default: auto on a mesh of several nodes, and where the step as written does "
+                        "not fit the budget; else off)")
     p.add_argument("--context", choices=("auto", "off"), default=None,
                    help="attention split over the sequence (models written with shardplan.attention, e.g. "
                         "llama3-8b-128k): auto plans it unsplit and each way to split it, and keeps the best; "
@@ -465,7 +466,8 @@ def _main(argv: list[str]) -> int:
             a.add_argument(flag, type=action.type, **kwargs)
     a.add_argument("--pipeline", type=_pipeline_setting, default=None,
                    help="pipeline stages: auto (plan each candidate pipeline, audit the best), off, or a number of "
-                        "stages (default, as for plan: auto on a mesh of several nodes, else off)")
+                        "stages (default, as for plan: auto on a mesh of several nodes, and where the step as written "
+                        "does not fit; else off)")
     a.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"),
                    help="the compiler: gpu / tpu compile for the preset's device with none present (pip install "
                         "'shardplan[aot]'); cpu on fake CPU devices; auto: the preset's own where installed, else cpu")

@@ -251,7 +251,8 @@ def test_plan_command_with_remat_plans_less_memory(capsys):
                  "--memory-budget", str(budget), "--time-limit", "2"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("recomputation: "))
-    assert "LayerStack" in line and line.rsplit(": ", 1)[1] in ("dots_all", "dots", "full"), line
+    chosen = line.split(" (best other")[0]
+    assert "LayerStack" in chosen and chosen.rsplit(": ", 1)[1] in ("dots_all", "dots", "full"), line
     assert parse_bytes(out.split("peak memory ")[1].split("/device")[0]) <= budget
     with pytest.raises(SystemExit) as bad:
         main(["plan", "--model", "gpt-tiny", "--remat", "some"])
@@ -535,7 +536,8 @@ def test_plan_command_pipelines_the_reference_model(capsys):
 
 def test_plan_command_searches_recomputation_by_default_where_the_step_does_not_fit(capsys):
     """No --remat: the reference model as written, and where that does not fit the budget, the
-    recomputation the planner chooses; a budget nothing meets lists each family tried, exit 2."""
+    recomputation the planner chooses (tests/test_defaults.py lists the families of a budget
+    nothing meets)."""
     from shardplan.sizes import parse_bytes
     peaks = {}
     for remat in ("off", "full"):
@@ -549,8 +551,3 @@ def test_plan_command_searches_recomputation_by_default_where_the_step_does_not_
     assert next(x for x in out.splitlines() if x.startswith("recomputation: ")).split(" (best other")[0].endswith(
         tuple(f": {p}" for p in ("dots_all", "dots", "full")))
     assert "planned with recomputation (remat='auto'), searched by default" in out
-    assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--memory-budget", "64KiB",
-                 "--time-limit", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "Tried, with the least memory each needs:" in err and "recomputation (remat='auto'): needs" in err
-    assert "Traceback" not in err
