@@ -38,6 +38,8 @@ def pipeline_default(mesh: MeshSpec, pipeline, context):
 
 @dataclasses.dataclass(frozen=True)
 class _Try:
+    """One way to plan a step that does not fit as written: each family's setting, and a label."""
+
     label: str                  # "recomputation (remat='auto')"
     pipeline: object
     remat: object
