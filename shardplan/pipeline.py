@@ -60,6 +60,10 @@ class PipelineError(ShardplanError, ValueError):
     """A pipeline that cannot run as asked: the message names the setting and what works."""
 
 
+class NoLayerStackError(PipelineError):
+    """The step has no layer stack a pipeline can split; the message says why each one met cannot be."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """One pipeline: ``stages`` over mesh axis ``axis``, the batch in ``microbatches``.

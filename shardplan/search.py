@@ -16,7 +16,7 @@ from shardplan import cache as plan_cache
 from shardplan import defaults, pipeline_search, recompute, sequence
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import PipelineError
+from shardplan.pipeline import NoLayerStackError, PipelineError
 from shardplan.plan import Plan, runner_up
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status, silenced
@@ -52,10 +52,6 @@ NO_LAYERS = ("the step has no layer stack (a jax.lax.scan over stacked layer wei
              "run, a jax.lax.fori_loop over layers under jax.grad, a shardplan.layer_scan or shardplan.layer_remat)")
 
 
-class _NoLayerScan(PipelineError):
-    """The step has no layer_scan: no candidate pipeline applies."""
-
-
 def remat_setting(remat):
     """``remat=`` checked: ``None`` (the default), ``"off"``, ``"auto"``, a policy name or
     ``{class key: policy}``."""
@@ -72,12 +68,12 @@ def remat_setting(remat):
 def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes):
     """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
     none) with recomputation ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the
-    step as written). Raises :class:`_NoLayerScan` where the step has no layer stack to pipeline."""
+    step as written). Raises :class:`NoLayerStackError` where the step has no layer stack to pipeline."""
     with contextlib.ExitStack() as stack:
         sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
         traced, refused = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
     if traced is None:
-        raise _NoLayerScan(
+        raise NoLayerStackError(
             "the step has no layer stack a pipeline can split"
             + (": " + "; ".join(refused) if refused else
                " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a shardplan.layer_scan)")
@@ -247,7 +243,7 @@ def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                     found = [] if first is None else [made[id(first)]]
             except (PipelineError, InfeasibleBudgetError) as e:
                 failures.append(e)
-                if isinstance(e, _NoLayerScan):
+                if isinstance(e, NoLayerStackError):
                     break              # no other pipeline applies either
                 continue
             keep(found)
@@ -311,7 +307,7 @@ def traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep
         trace = sequence.traced_in(trace, plan.context_config(), plan.axis_names, plan.axis_sizes)
     try:
         traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
-    except _NoLayerScan as e:
+    except NoLayerStackError as e:
         raise PlanMismatchError(f"the plan pipelines a layer stack, but in this step {e}") from None
     missing = [s["where"] for s in (plan.remat or {}).get("sites", ()) if s["key"] not in sites]
     if missing:
