@@ -1,6 +1,7 @@
 """The benchmark harness: the planner against expert hand plans over models, meshes and budgets.
 
-    python -m shardplan.benchmarks.bench [--quick] [--cells "SUBSTR;SUBSTR"] [--list] [--out benchmarks/results] [--plots]
+    python -m shardplan.benchmarks.bench [--quick] [--cells "SUBSTR;SUBSTR"] [--list]
+                                         [--out benchmarks/results] [--plots]
     shardplan bench ...                      (the same)
 
 For each cell (model x mesh x memory budget) it plans, lowers and compiles the planner's plan and
@@ -8,16 +9,18 @@ each baseline (:mod:`shardplan.benchmarks.baselines`) on fake devices of the cel
 at large sizes. Per plan it reports the predicted step time, the step time the compiled HLO
 implies priced on the cell's mesh (dot FLOPs over peak + HBM bytes of the top-level ops over
 bandwidth + every collective over its links, as :mod:`shardplan.audit` reads them), memory per
-device (argument + output + temp - alias; on a TPU, libtpu's heap: :mod:`shardplan.footprint`), collective count and bytes, and the planner's solve time; per
-cell the ratio planner / best baseline that fits the budget, and the same ratio with each compiled
-program priced op by op (each top-level op the longer of its FLOPs over peak and its bytes over
-bandwidth, :func:`shardplan.hlo.roofline_seconds`, as the planner prices ops). Tiny cells also execute on 8 fake
-CPU devices and report the measured step time (labelled CPU).
+device (argument + output + temp - alias; on a TPU, libtpu's heap: :mod:`shardplan.footprint`),
+collective count and bytes, and the planner's solve time; per cell the ratio planner / best
+baseline that fits the budget, and the same ratio with each compiled program priced op by op
+(each top-level op the longer of its FLOPs over peak and its bytes over bandwidth,
+:func:`shardplan.hlo.roofline_seconds`, as the planner prices ops). Tiny cells also execute on 8
+fake CPU devices and report the measured step time (labelled CPU).
 
 Budgets: ``hbm`` is what a program may allocate on the device (``Device.budget_bytes``);
-``tight`` is 85% of the memory per device of the data-parallel plan's compiled program (the usual starting point no longer fits; where DP cannot
-run, halfway between the planner's leanest plan and its plan under ``hbm``); ``infeasible`` is
-1% of the planner's peak (the planner must say so and name the smallest budget that works). Output: a markdown table (stdout and ``OUT/matrix.md``),
+``tight`` is 85% of the memory per device of the data-parallel plan's compiled program (the usual
+starting point no longer fits; where DP cannot run, halfway between the planner's leanest plan and
+its plan under ``hbm``); ``infeasible`` is 1% of the planner's peak (the planner must say so and
+name the smallest budget that works). Output: a markdown table (stdout and ``OUT/matrix.md``),
 ``OUT/results.csv`` and ``OUT/results.json``, and with ``--plots`` PNG figures (matplotlib).
 """
 
@@ -42,22 +45,31 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan.benchmarks.baselines import (BASELINES, CP_BASELINES, MOE_BASELINES, activation_rules,  # noqa: E402
-                                            context_config, hand_plan, megatron_3d)
-from shardplan.sequence import context_parallel, traced_in  # noqa: E402
+from shardplan import (
+    footprint,  # noqa: E402
+    targets,  # noqa: E402
+)
+from shardplan.audit import price_collectives  # noqa: E402
+from shardplan.benchmarks.baselines import (  # noqa: E402
+    BASELINES,
+    CP_BASELINES,
+    MOE_BASELINES,
+    activation_rules,
+    context_config,
+    hand_plan,
+    megatron_3d,
+)
+from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
+from shardplan.fit import compile_oom_bytes  # noqa: E402
+from shardplan.footprint import compiled_memory  # noqa: E402
+from shardplan.hlo import collectives, dot_flops, hbm_bytes, roofline_seconds  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan import targets  # noqa: E402
 from shardplan.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
 from shardplan.pipeline_search import with_stage_axis  # noqa: E402
-from shardplan import footprint  # noqa: E402
-from shardplan.audit import price_collectives  # noqa: E402
-from shardplan.footprint import compiled_memory  # noqa: E402
-from shardplan.fit import compile_oom_bytes  # noqa: E402
-from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
-from shardplan.hlo import collectives, dot_flops, hbm_bytes, roofline_seconds  # noqa: E402
 from shardplan.planner import PlannerOptions, plan_jaxpr  # noqa: E402
 from shardplan.progress import Progress  # noqa: E402
+from shardplan.sequence import context_parallel, traced_in  # noqa: E402
 from shardplan.trace import CallSpec, trace_step  # noqa: E402
 
 
@@ -69,15 +81,18 @@ class Cell:
     axes: tuple[tuple[str, int], ...]
     budget: str = "hbm"             # "hbm" | "tight" | "infeasible"
     execute: bool = False           # also run it on 8 fake CPU devices
-    remat: str = "none"             # activation recomputation per layer (shardplan.models.layers.REMAT_POLICIES), all plans
+    remat: str = "none"             # activation recomputation per layer (shardplan.models.layers.REMAT_POLICIES),
+                                    # all plans
     context: bool = False           # the planner chooses how attention splits over the sequence (context="auto")
-    attention: str | None = None    # the model's attention as written ("einsum": einsum-softmax-einsum), else its default
+    attention: str | None = None    # the model's attention as written ("einsum": einsum-softmax-einsum),
+                                    # else its default
 
     @property
     def id(self) -> str:
         remat = "" if self.remat == "none" else f"/remat-{self.remat}"
         attention = "" if self.attention is None else f"/attention-{self.attention}"
-        return f"{self.model}/{self.preset}{tuple(n for _, n in self.axes)}/{self.budget}{remat}{attention}".replace(" ", "")
+        return (f"{self.model}/{self.preset}{tuple(n for _, n in self.axes)}/{self.budget}"
+                f"{remat}{attention}").replace(" ", "")
 
     @property
     def devices(self) -> int:
@@ -206,7 +221,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
     if cell.devices > len(jax.devices()):
         return [Row(cell.id, "all", f"n/a: needs {cell.devices} devices, jax.devices() has {len(jax.devices())}")]
     axes = dict(cell.axes)
-    ref = reference(cell.model, scan=True, remat=cell.remat, **({"attention": cell.attention} if cell.attention else {}))
+    ref = reference(cell.model, scan=True, remat=cell.remat,
+                    **({"attention": cell.attention} if cell.attention else {}))
     state = jax.eval_shape(ref.init, jax.random.key(0))
     batch = ref.batch(cell.batch, abstract=True)
     mesh_spec = shardplan.load_mesh(cell.preset, axes=axes)
@@ -309,7 +325,8 @@ def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target:
         bar.step(f"{cell.id} shardplan")
 
     # Expert parallelism by hand where there are experts to split and an axis to split them over.
-    moe = "expert" in axes and any("moe" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
+    moe = "expert" in axes and any("moe" in jax.tree_util.keystr(p)
+                                   for p, _ in jax.tree_util.tree_leaves_with_path(state))
     for kind in BASELINES + (MOE_BASELINES if moe else ()) + (CP_BASELINES if cell.context else ()):
         figures, run, flat = baseline(kind)
         if not isinstance(figures, dict):
@@ -461,7 +478,8 @@ def markdown(all_rows: list[Row]) -> str:
              "| collectives (count, GiB) | solve s | CPU step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         coll = "" if r.collectives != r.collectives else f"{r.collectives:.0f}, {r.collective_gib:.3f}"
-        lines.append(f"| {r.cell} | {r.plan}{f' ({r.choice})' if r.choice else ''} | {r.status} | {_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
+        lines.append(f"| {r.cell} | {r.plan}{f' ({r.choice})' if r.choice else ''} | {r.status} | "
+                     f"{_fmt(r.predicted_ms)} | {_fmt(r.compiled_ms)} | "
                      f"{_fmt(r.comm_ms) if r.comm_ms_by_kind else ''} | {_fmt(r.memory_gib)} | {coll} | "
                      f"{_fmt(r.solve_s, 1)} | {_fmt(r.cpu_step_ms, 1)} |")
     lines += ["", "| cell | budget GiB/dev | planner / best baseline (compiled) | best baseline | "
@@ -549,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = Progress(steps, "bench")
     all_rows: list[Row] = []
     os.makedirs(args.out, exist_ok=True)
-    header = (f"Command: `python -m shardplan.benchmarks.bench {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+    header = (f"Command: `python -m shardplan.benchmarks.bench "
+              f"{' '.join(argv if argv is not None else sys.argv[1:])}`; "
               f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices.\n\n")
     for cell in cells:
         all_rows += run_cell(cell, args.time_limit, bar, args.target)

@@ -66,8 +66,9 @@ def _one_device(base: str, calibration: dict | None):
 
 def part_facts(args) -> dict:
     import jax
-    from shardplan import targets
+
     import shardplan
+    from shardplan import targets
     dev = jax.devices()[0]
     kind = str(getattr(dev, "device_kind", dev.platform))
     base = args.base or _base(kind, dev.platform)
@@ -106,8 +107,9 @@ def part_facts(args) -> dict:
 
 def part_calibrate(args) -> dict:
     import jax
-    from shardplan.calibrate import calibrate
+
     import shardplan
+    from shardplan.calibrate import calibrate
     dev = jax.devices()[0]
     base = args.base or _base(str(getattr(dev, "device_kind", "")), dev.platform)
     preset = shardplan.load_mesh(base, axes={"data": shardplan.load_mesh(base).num_devices})
@@ -122,12 +124,14 @@ def part_calibrate(args) -> dict:
 
 def part_model(args) -> dict:
     import gc
+
     import jax
     import numpy as np
+
     import shardplan
+    from shardplan import targets
     from shardplan.footprint import compiled_host_memory, compiled_memory
     from shardplan.models.train import MODEL_CONFIGS, reference
-    from shardplan import targets
     name, batch, *fields = args.model.split(":")
     overrides, remat, loop, profile = {}, args.remat, 0, 0
     for f in fields:
@@ -235,6 +239,7 @@ def _profile(step, state, data, steps: int, compiled, args) -> tuple[dict, str, 
     import gzip
     import shutil
     import tempfile
+
     import jax
     from jax.profiler import ProfileData
     where = tempfile.mkdtemp()
@@ -293,7 +298,8 @@ def main() -> None:
     ap.add_argument("--no-calibrate", action="store_true", help="price on the preset's peaks")
     ap.add_argument("--calibrated", help="a calibration's JSON (this script's 'calibration') instead of measuring")
     ap.add_argument("--remat", default="auto", help="shardplan.auto's remat (default: auto, the planner's choice)")
-    ap.add_argument("--quick", action="store_true", help="time and memory only: no deviceless compile, no jax.jit parity")
+    ap.add_argument("--quick", action="store_true",
+                    help="time and memory only: no deviceless compile, no jax.jit parity")
     ap.add_argument("--part", choices=("facts", "calibrate", "model"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--calibration", help=argparse.SUPPRESS)
@@ -303,8 +309,8 @@ def main() -> None:
         print(MARK + json.dumps(result), flush=True)
         return
     start = time.perf_counter()
-    common = ["--out", args.out, *(["--base", args.base] if args.base else []), "--steps", str(args.steps), "--remat", args.remat,
-              *(["--quick"] if args.quick else [])]
+    common = ["--out", args.out, *(["--base", args.base] if args.base else []), "--steps", str(args.steps),
+              "--remat", args.remat, *(["--quick"] if args.quick else [])]
     result: dict = {"facts": _run_part(["--part", "facts", *common], args.part_timeout_s)}
     print(json.dumps(result["facts"], indent=1), flush=True)
     _write(args.out, result)

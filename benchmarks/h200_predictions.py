@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a column: today's prediction with the GPU's scanned-slice copies unpriced")
     args = ap.parse_args(argv)
     import jax
+    from device_check import _one_device
 
     import shardplan
-    from device_check import _one_device
     from shardplan import traffic
     from shardplan.models.train import reference
     with open(args.results) as fh:

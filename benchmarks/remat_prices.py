@@ -31,10 +31,11 @@ def main() -> None:
     ap.add_argument("--policies", default="none,dots_all,dots,full,offload,auto")
     args = ap.parse_args()
     import jax
+
     import shardplan
+    from benchmarks.device_check import _one_device
     from shardplan.errors import InfeasibleBudgetError
     from shardplan.models.train import MODEL_CONFIGS, reference
-    from benchmarks.device_check import _one_device
     mesh = _one_device(args.base, json.load(open(args.calibrated)) if args.calibrated else None)
     print(f"{'model':<32} {'remat':<9} {'chosen':<9} {'step ms':>9} {'compute ms':>11} {'ILP ms':>9} {'GiB':>7}")
     for item in args.models.split(","):

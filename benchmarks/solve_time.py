@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--pipeline", default="off", help="off, auto or a stage count (shardplan.plan's pipeline=)")
     ap.add_argument("--memory-budget", default=None, help="per device, e.g. 80GiB (default: the device's HBM)")
     args = ap.parse_args()
-    print("| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s | memory/device GiB "
-          "| pipeline |")
+    print("| model | layers | layer stack | planner wall s | ILP s | status | gap | predicted step s "
+          "| memory/device GiB | pipeline |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     pipeline = int(args.pipeline) if args.pipeline.isdigit() else args.pipeline
     for n in map(int, args.layers.split(",")):

@@ -93,10 +93,11 @@ def main() -> None:
     p = shardplan.plan(train_step, params, opt_state, tokens, mesh=args.mesh, donate_argnums=(0, 1), cache=False)
     wall = time.perf_counter() - start
     s = p.solver
-    print("| attention | batch | mesh | planner wall s | ILP s | status | gap | variables | predicted step s | memory/device GiB |")
+    print("| attention | batch | mesh | planner wall s | ILP s | status | gap | variables | predicted step s | "
+          "memory/device GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.attention} | {args.batch} | {args.mesh} | {wall:.1f} | {s.wall_time:.1f} | {s.status} | {s.gap:.2%} | "
-          f"{s.num_variables} | {p.cost.step_s:.3f} | {p.cost.memory_bytes / 2**30:.2f} |")
+    print(f"| {args.attention} | {args.batch} | {args.mesh} | {wall:.1f} | {s.wall_time:.1f} | {s.status} | "
+          f"{s.gap:.2%} | {s.num_variables} | {p.cost.step_s:.3f} | {p.cost.memory_bytes / 2**30:.2f} |")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan.pipeline import layer_scan
 from shardplan import recompute
+from shardplan.pipeline import layer_scan
 from shardplan.recompute import layer_remat
 
 # Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,

@@ -43,7 +43,8 @@ class Reference:
                 return {"inputs": jax.ShapeDtypeStruct(shape, jnp.float32),
                         "targets": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
             k1, k2 = jax.random.split(jax.random.key(seed))
-            return {"inputs": jax.random.normal(k1, shape), "targets": jax.random.randint(k2, (batch_size,), 0, c.classes)}
+            return {"inputs": jax.random.normal(k1, shape),
+                    "targets": jax.random.randint(k2, (batch_size,), 0, c.classes)}
         shape = (batch_size, self.config.seq_len)
         if abstract:
             spec = jax.ShapeDtypeStruct(shape, jnp.int32)

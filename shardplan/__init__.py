@@ -19,20 +19,28 @@ if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and \
     __path__.append(_checkout)
 
 from shardplan.api import AutoFunction, auto, plan, search_mesh
-from shardplan.sequence import ContextConfig, attention, context_parallel
-from shardplan.errors import (DeviceCountError, InfeasibleBudgetError, MeshConfigError, PlanFileError,
-                              PlanMismatchError, ShardplanError)
+from shardplan.errors import (
+    DeviceCountError,
+    InfeasibleBudgetError,
+    MeshConfigError,
+    PlanFileError,
+    PlanMismatchError,
+    ShardplanError,
+)
 from shardplan.mesh import MeshSpec, load_mesh, preset_names
 from shardplan.multihost import global_batch, local_rows
 from shardplan.pipeline import PipelineConfig, PipelineError, layer_scan, pipelined
 from shardplan.plan import Plan, PredictedCost, TensorPlan
 from shardplan.recompute import RecomputeError, layer_remat
+from shardplan.sequence import ContextConfig, attention, context_parallel
 from shardplan.sizes import parse_bytes
 
 __all__ = [
-    "AutoFunction", "ContextConfig", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec", "PipelineConfig",
+    "AutoFunction", "ContextConfig", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec",
+    "PipelineConfig",
     "PipelineError", "Plan", "PlanFileError", "PlanMismatchError", "PredictedCost", "RecomputeError", "ShardplanError",
     "TensorPlan",
-    "attention", "auto", "context_parallel", "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
+    "attention", "auto", "context_parallel", "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows",
+    "parse_bytes", "pipelined", "plan",
     "preset_names", "search_mesh",
 ]

@@ -4,9 +4,9 @@ The jaxpr is evaluated primitive by primitive (as ``jax.core.eval_jaxpr`` does i
 the plan gives a spec is constrained to it, and the operands and result of each ``dot_general``
 are constrained to the specs of the dot's chosen strategy (the result first to the spec the
 strategy computes, then to the tensor's own), so XLA's partitioner runs the strategy the plan
-priced instead of resharding an operand to suit the result. Bodies of ``scan``, ``while``, ``cond`` and ``remat`` are rebuilt
-with their constraints inside; other calls are inlined, bar the pipeline's stage shift
-(:data:`~shardplan.walk.SHIFT_CALL`), bound whole with its result constrained.
+priced instead of resharding an operand to suit the result. Bodies of ``scan``, ``while``, ``cond``
+and ``remat`` are rebuilt with their constraints inside; other calls are inlined, bar the pipeline's
+stage shift (:data:`~shardplan.walk.SHIFT_CALL`), bound whole with its result constrained.
 """
 
 from __future__ import annotations

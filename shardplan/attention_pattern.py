@@ -269,8 +269,8 @@ def _max_of(level: Dataflow, eqn) -> tuple[object, int] | None:
 def _is_sum_of(level: Dataflow, v, e, axis: int) -> bool:
     v = _through(level, v)
     eqn = level.eqn(v)
-    return eqn is not None and eqn.primitive.name == "reduce_sum" and _through(level, eqn.invars[0], _PASS_THROUGH) is e \
-        and tuple(eqn.params["axes"]) == (axis,)
+    return (eqn is not None and eqn.primitive.name == "reduce_sum"
+            and _through(level, eqn.invars[0], _PASS_THROUGH) is e and tuple(eqn.params["axes"]) == (axis,))
 
 
 def _attention(level: Dataflow, x, axis: int, p, position: int, second) -> Found | None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardplan.cost import COLLECTIVE_KINDS, CostModel
 from shardplan import footprint
+from shardplan.cost import COLLECTIVE_KINDS, CostModel
 from shardplan.footprint import compiled_host_memory, compiled_memory, compiled_temp
 from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.layout import HEAP_ALIGN
@@ -104,7 +104,8 @@ class Audit:
 
         def fmt(r: AuditRow, runs=True):
             err = r.bytes_error()
-            err_s = "" if r.predicted_bytes == r.compiled_bytes == 0 else "n/a" if err == float("inf") else f"{err:+.1%}"
+            err_s = ("" if r.predicted_bytes == r.compiled_bytes == 0 else "n/a" if err == float("inf")
+                     else f"{err:+.1%}")
             return (f"{r.name:<22}{format_bytes(r.predicted_bytes):>14}{format_bytes(r.compiled_bytes):>14}"
                     f"{err_s:>9}{r.predicted_s * 1e3:>10.3f}{r.compiled_s * 1e3:>10.3f}"
                     f"{(f'{r.compiled_count:.0f}' if runs else ''):>8}")

@@ -65,7 +65,8 @@ def calibrate(*, base: str | MeshSpec = "cpu-8", axes: Mapping[str, int] | None 
     """Measure ``jax.devices()`` and return the calibrated :class:`MeshSpec` (see the module doc)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = jax.devices()
     many = jax.process_count() > 1

@@ -197,6 +197,7 @@ def _cmd_plan(args) -> int:
     # --verify lays the plan over fake CPU devices to compile it (for any target, as audit does).
     _fake_cpu_devices(mesh.num_devices if args.verify is not None else None)
     import jax
+
     from shardplan.models.train import reference
     if args.verify is not None:
         from shardplan import targets
@@ -264,6 +265,7 @@ def _cmd_audit(args) -> int:
     # The GPU and TPU compilers run without a device: keep JAX's own backend on the CPU, so that
     # the CUDA plugin does not look for a driver.
     import jax
+
     from shardplan import targets
     from shardplan.models.train import reference
     target = targets.resolve(args.target, mesh)
@@ -338,6 +340,7 @@ def _cmd_mesh(args, extra: list[str]) -> int:
 def _mesh_calibrate(args) -> int:
     _fake_cpu_devices(args.cpu_devices)      # CPU: fake devices to measure collectives on
     import jax
+
     from shardplan.calibrate import calibrate
     from shardplan.mesh import write_mesh
     given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
@@ -362,6 +365,7 @@ def _mesh_calibrate(args) -> int:
 
 def _mesh_new(args, extra: list[str]) -> int:
     import re
+
     from shardplan.cluster import cluster_mesh
     from shardplan.mesh import write_mesh
     ici, dcn = {}, {}
@@ -443,7 +447,8 @@ def _main(argv: list[str]) -> int:
                         "llama3-8b-128k): auto plans it unsplit and each way to split it, and keeps the best; "
                         "default: unsplit, auto where that does not fit")
     p.add_argument("--memory-budget", type=_byte_size, default=None,
-                   help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the device, meshes/README.md)")
+                   help="per-device budget, e.g. 60GiB or 6e10 (default: what the allocator hands out on the "
+                        "device, meshes/README.md)")
     p.add_argument("--time-limit", type=_time_limit, default=30.0,
                    help="ILP limit in CP-SAT deterministic time (about seconds of one core)")
     p.add_argument("--activations", type=_int_at_least(0, "--activations 20"), default=20,

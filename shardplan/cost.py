@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-
 from jax.sharding import PartitionSpec
 
 from shardplan.layout import tiled, tpu_bytes

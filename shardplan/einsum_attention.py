@@ -171,7 +171,8 @@ def _search(jaxpr, known: dict, record: Callable) -> int:
         if name == "scan":
             closed, (nc, _) = eqn.params["jaxpr"], scan_counts(eqn.params)
             inner = {v: level.ref(x) for v, x in zip(closed.jaxpr.invars[:nc], eqn.invars[:nc])}
-            inner = {**{v: r for v, r in inner.items() if r is not None}, **_values(closed.jaxpr.constvars, closed.consts)}
+            inner = {**{v: r for v, r in inner.items() if r is not None},
+                     **_values(closed.jaxpr.constvars, closed.consts)}
             count += _search(closed.jaxpr, inner, record)
         elif name in _CHECKPOINTS:
             body = eqn.params["jaxpr"]

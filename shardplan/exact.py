@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from shardplan.problem import Problem
 from shardplan.simplify import eliminate_dead_ends, expand, simplify
 from shardplan.solver import Solution, SolverStats, peak_memory, solve, total_cost
-from shardplan.problem import Problem
 from shardplan.tying import tie, untie
 
 
@@ -195,7 +195,8 @@ def solve_reduced(problem: Problem, *, max_entries: int = 25_000_000, tie_layers
     sol = solve_exact(free, max_entries=max_entries)
     if sol is None:
         return None
-    choice = expand(reduced, [int(k[c]) for k, c in zip(keep, sol.choice)], len((tied.problem if tied else problem).nodes))
+    nodes = len((tied.problem if tied else problem).nodes)
+    choice = expand(reduced, [int(k[c]) for k, c in zip(keep, sol.choice)], nodes)
     return untie(tied, choice) if tied else choice
 
 

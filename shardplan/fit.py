@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardplan.footprint import compiled_memory
 from shardplan.errors import InfeasibleBudgetError
+from shardplan.footprint import compiled_memory
 from shardplan.sizes import format_bytes
 
 TRIES = 4            # plans compiled at most (the first included)
@@ -55,8 +55,9 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
     plan fits); ``compile_plan(p)`` compiles what it returned, giving ``(result, compiled)``
     where ``compiled`` has ``memory_analysis()`` (a compiler that refuses a program over the
     device's memory, as libtpu does, counts as over budget by the bytes it reports);
-    ``predicted(p)`` is the plan's predicted bytes per device. Returns ``(p, result, attempts)``. ``identity(p)`` (e.g. the plan's digest) says
-    when a tighter budget gave a plan already compiled: it is not compiled again.
+    ``predicted(p)`` is the plan's predicted bytes per device. Returns ``(p, result, attempts)``.
+    ``identity(p)`` (e.g. the plan's digest) says when a tighter budget gave a plan already
+    compiled: it is not compiled again.
     """
     attempts: list[Attempt] = []
     compiled_before: dict[Any, float] = {}
@@ -107,8 +108,9 @@ def fit_compiled(plan_for: Callable[[int], Any], compile_plan: Callable[[Any], A
         # predicted well under its budget would otherwise come back unchanged.
         tighter = int(min(planned_under, attempts[-1].predicted_bytes) * min(limit, used) / used * _MARGIN)
         if say is not None:
-            say(f"the compiled program needs {format_bytes(used)} per device, over "
-                f"{'the budget ' + format_bytes(budget) if limit == budget else 'the device memory ' + format_bytes(limit)}"
+            over = (f"the budget {format_bytes(budget)}" if limit == budget
+                    else f"the device memory {format_bytes(limit)}")
+            say(f"the compiled program needs {format_bytes(used)} per device, over {over}"
                 f": planning again under {format_bytes(tighter)}")
         planned_under = tighter
     raise _too_big(budget, attempts, f"{compiles} plan{'s' * (compiles != 1)} compiled, none fits", limit)

@@ -16,8 +16,8 @@ import os
 import re
 import warnings
 
-import numpy as np
 import jax
+import numpy as np
 
 from shardplan.mesh import Axis, MeshSpec, load_mesh
 

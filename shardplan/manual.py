@@ -197,7 +197,8 @@ def _operands_fit(eqn, broadcast: bool) -> bool:
     shape = eqn.outvars[0].aval.shape
 
     def fits(s):
-        return not s or s == shape or (broadcast and len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape)))
+        return not s or s == shape or (broadcast and len(s) == len(shape)
+                                       and all(a in (1, b) for a, b in zip(s, shape)))
     return all(fits(getattr(v.aval, "shape", ())) for v in eqn.invars)
 
 

@@ -55,9 +55,10 @@ class Device:
     prices (:func:`shardplan.layout.heap_bytes`), with a slot of its own per tuple result
     (:func:`shardplan.liveness.multi_output_kernels`, session 28). What the allowance covers is
     liveness the model does not see, chiefly the order XLA schedules a loop body in
-    (benchmarks/RESULTS.md, session 27). Heap / predicted live temporaries on issue 3's reference matrix (CPU backend): 1.07 (MLP),
-    1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default. ``shardplan audit`` prints the value a
-    compile implies, and on a TPU the heap's live peak; set it for your own devices.
+    (benchmarks/RESULTS.md). Heap / predicted live temporaries on issue 3's reference matrix (CPU
+    backend): 1.07 (MLP), 1.12-1.14 (GPT), 1.21-1.24 (Llama); 0.10 by default. ``shardplan audit``
+    prints the value a compile implies, and on a TPU the heap's live peak; set it for your own
+    devices.
 
     ``host_bandwidth``: bytes/s one host's input pipeline delivers to its devices; each host loads
     its share of every step's input (the batch) at that rate (see

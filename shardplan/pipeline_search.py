@@ -16,8 +16,7 @@ import math
 import jax
 
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import (PipelineConfig, PipelineError, Schedule, StackSite, pipelined, recognising,
-                                seen_stacks)
+from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, StackSite, pipelined, recognising, seen_stacks
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16

@@ -397,9 +397,13 @@ def _reshape_rule(shape_in, shape_out):
         i, j = i + bool(gi), j + bool(gj)
         while pi != pj:
             if pi < pj and i < len(shape_in):
-                pi *= shape_in[i]; gi.append(i); i += 1
+                pi *= shape_in[i]
+                gi.append(i)
+                i += 1
             elif j < len(shape_out):
-                pj *= shape_out[j]; gj.append(j); j += 1
+                pj *= shape_out[j]
+                gj.append(j)
+                j += 1
             else:
                 break
         groups.append((gi, gj))

@@ -9,24 +9,22 @@ of nodes a cost table: the input of the ILP in :mod:`shardplan.solver`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import itertools
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
-from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
-from shardplan.combine import combined_reductions
+from shardplan import layout, splitk
 from shardplan.bf16_pass import LAYOUT, read_as_bf16
-from shardplan import layout
-from shardplan.layout import minor_dims
+from shardplan.combine import combined_reductions
+from shardplan.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.graph import Graph
+from shardplan.layout import minor_dims
 from shardplan.problem import EdgeTables, Node, Problem
-from shardplan import splitk
 from shardplan.tables import dot_table, edge_table
 from shardplan.traffic import hbm_traffic
-
 
 _LAYER_INDEX = re.compile(r"\[\d+\]|_\d+\b")
 

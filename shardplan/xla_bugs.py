@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from shardplan.cost import Spec
 
-
 # XLA's Shardy partitioner (jax 0.10.2, every backend) computes a wrong result for a batched
 # dot whose batch dimension is already split (say experts over `data`), whose contraction is
 # split over two or more mesh axes (tokens over ('fsdp', 'model')), when the result's batch

@@ -112,7 +112,8 @@ def test_a_mesh_from_jax_make_mesh_with_its_default_explicit_axes(tmp_path):
     """jax.make_mesh makes Explicit axes unless told otherwise, and JAX refuses a sharding
     constraint over one: the plan runs over the mesh's Auto view, and arrays the user placed on
     the Explicit mesh are moved there (jit refuses the two meshes in one call)."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
     state = jax.device_put(_state(), NamedSharding(mesh, P()))
@@ -211,7 +212,8 @@ def test_a_python_scalar_step_counter_compiles_once(tmp_path):
     f = shardplan.auto(_mixed_precision_step, mesh=MESH, donate_argnums=0, time_limit=2, cache=tmp_path)
     state, batches = _state(), [_batch() for _ in range(3)]     # "step": 0, a Python int
     compiles = []
-    listener = lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    listener = lambda event, secs, **kw: (compiles.append(event)
+                                          if event == "/jax/core/compile/backend_compile_duration" else None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         state, _ = f(state, batches[0])            # plans and compiles
@@ -225,6 +227,7 @@ def test_a_python_scalar_step_counter_compiles_once(tmp_path):
 
 def test_a_plan_that_does_not_fit_ends_its_progress_saying_so_and_kept_lines_are_whole(monkeypatch):
     import io
+
     from shardplan import progress
     from shardplan.errors import InfeasibleBudgetError
 
@@ -246,6 +249,7 @@ def test_a_plan_that_does_not_fit_ends_its_progress_saying_so_and_kept_lines_are
 
 def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path, monkeypatch):
     import io
+
     from shardplan import progress
 
     class Terminal(io.StringIO):

@@ -50,9 +50,9 @@ def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
     from jax.sharding import NamedSharding
 
     from shardplan.benchmarks.baselines import activation_rules
-    from shardplan.models.layers import activation_sharding
     from shardplan.hlo import collectives
     from shardplan.mesh import make_jax_mesh
+    from shardplan.models.layers import activation_sharding
     ref = reference("gpt-tiny", scan=True)
     axes = {"data": 2, "model": 4}
     mesh = make_jax_mesh(tuple(axes), tuple(axes.values()))
@@ -78,8 +78,8 @@ def test_megatron_baseline_is_sequence_parallel_and_trains_like_unsharded():
 
 
 def test_activation_rule_naming_a_missing_mesh_axis_is_a_clear_error():
-    from shardplan.models.layers import activation_sharding
     from shardplan.mesh import make_jax_mesh
+    from shardplan.models.layers import activation_sharding
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     with pytest.raises(ValueError, match="'seq' names mesh axis 'tensor'.*axes: data, model"):
         with activation_sharding(mesh, {"batch": "data", "seq": "tensor"}):
@@ -121,6 +121,7 @@ def test_fsdp_baseline_keeps_activations_split_as_the_batch():
     1024 GPUs: 52 TiB a step, 975 GiB with the rules; RESULTS.md, session 23)."""
     import contextlib
     import re
+
     from jax.sharding import NamedSharding
 
     from shardplan.benchmarks.baselines import activation_rules

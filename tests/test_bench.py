@@ -25,11 +25,11 @@ def test_megatron_3d_runs_a_pipeline_across_nodes_and_is_not_offered_on_one(tmp_
     """The Megatron 3D hand plan: stages split off the data axis across the two nodes, TP inside,
     compiled (on the cpu target here) with the pipeline's stage-to-stage permutes; one node: n/a."""
     import jax
+    from test_pipeline_search import TWO_NODES
 
     import shardplan
     from shardplan.benchmarks.bench import Cell, _megatron_3d
     from shardplan.models.train import reference
-    from test_pipeline_search import TWO_NODES
     path = tmp_path / "two_nodes.toml"
     path.write_text(TWO_NODES)
     ref = reference("gpt-tiny", scan=True)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardplan
 
@@ -85,7 +86,8 @@ def _stack_step(mesh):
 
 def _gathers(text: str) -> list[tuple[int, ...]]:
     import re
-    return [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+    return [tuple(int(d) for d in m.group(1).split(","))
+            for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
 
 
 def test_a_scan_bodys_slice_of_a_stack_is_held_at_its_planned_spec():

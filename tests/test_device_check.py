@@ -49,6 +49,7 @@ def test_the_h200_profile_splits_into_matmuls_other_kernels_and_copies():
     and keeping every residual (``none``) spends more on copies than recomputing does."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gzip
+
     import kernel_split
     results = os.path.join(ROOT, "benchmarks", "results")
     with open(os.path.join(results, "device_check_h200_5.json")) as f:

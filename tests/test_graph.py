@@ -3,13 +3,14 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardplan.combine import feeds_stacked_output, feeds_update
-from shardplan.walk import build_graph
 from shardplan.hlo import collectives
 from shardplan.mesh import make_jax_mesh
 from shardplan.rules import apply_rule
+from shardplan.walk import build_graph
 
 LAYERS = 6
 
@@ -178,8 +179,8 @@ def test_a_reshape_needs_each_mesh_axis_where_its_factor_fits(shape_in, shape_ou
     shards on the 16: XLA could only reach that by replicating first ("Involuntary full
     rematerialization": a 6 GiB all-gather and all-reduce). With the operand at the spec the
     rule gives, XLA reshapes locally: no collective."""
-    from shardplan.rules import _reshape_rule
     from shardplan.cost import to_partition_spec
+    from shardplan.rules import _reshape_rule
     sizes = {"data": 2, "model": 4}
     assert _reshape_rule(shape_in, shape_out)(out_spec, sizes) == need
     mesh = make_jax_mesh(("data", "model"), (2, 4))

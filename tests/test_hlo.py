@@ -3,7 +3,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardplan.hlo import collectives, dot_flops, replica_groups
 from shardplan.mesh import make_jax_mesh
@@ -25,7 +26,8 @@ def test_contracting_split_gives_all_reduce_over_its_axis():
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    f = jax.jit(lambda x, w: x @ w, in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
+    f = jax.jit(lambda x, w: x @ w,
+                in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
                 out_shardings=NamedSharding(mesh, P("data")))
     text = f.lower(x, w).compile().as_text()
     [c] = collectives(text, mesh)
@@ -48,7 +50,8 @@ def test_collectives_inside_scan_count_trip_times():
     # Rows split over data (8 of 16), contraction over model (16 of 64): a partial sum per layer,
     # summed by an all-reduce that the next layer only slices: what GPUs emit as a reduce-scatter.
     [c] = collectives(compiled.as_text(), mesh)
-    assert (c.kind, c.emitted, c.axes, c.count, c.nbytes) == ("reduce-scatter", "all-reduce", ("model",), 5.0, 8 * 64 * 4)
+    assert ((c.kind, c.emitted, c.axes, c.count, c.nbytes)
+            == ("reduce-scatter", "all-reduce", ("model",), 5.0, 8 * 64 * 4))
     [c] = collectives(compiled.as_text(), mesh, read_cpu_reduce_scatter=False)
     assert (c.kind, c.emitted) == ("all-reduce", "")
     assert dot_flops(compiled.as_text())["f32"] == 5 * 2 * 8 * 16 * 64
@@ -248,7 +251,8 @@ def test_replica_groups_name_positions_in_the_mesh_not_device_ids():
     mesh = make_jax_mesh(("data", "model"), (2, 4), devices)
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    f = jax.jit(lambda x, w: x @ w, in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
+    f = jax.jit(lambda x, w: x @ w,
+                in_shardings=(NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))),
                 out_shardings=NamedSharding(mesh, P("data")))
     [c] = collectives(f.lower(x, w).compile().as_text(), mesh)
     assert (c.kind, c.axes) == ("all-reduce", ("model",))

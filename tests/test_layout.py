@@ -65,6 +65,7 @@ def _attention(q, k, v):
 def test_a_batched_matmul_tiles_its_own_dimensions():
     import jax
     import jax.numpy as jnp
+
     from shardplan.layout import minor_dims
     from shardplan.rules import apply_rule
     from shardplan.walk import build_graph
@@ -85,7 +86,9 @@ def test_a_batched_matmul_tiles_its_own_dimensions():
 def test_libtpu_holds_a_batched_matmuls_result_in_its_own_tiles():
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from shardplan import footprint
     topo = targets._topology("tpu", "", "v5e:2x2")
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",))
@@ -106,9 +109,11 @@ def test_libtpu_starts_every_heap_temporary_at_the_alignment(tmp_path):
     """The premise of :data:`shardplan.layout.HEAP_ALIGN`: a scanned step's many small
     temporaries each start at a multiple of it in libtpu's heap (the buffer assignment it dumps)."""
     import re
+
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     def loss(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + h, None), x, ws)

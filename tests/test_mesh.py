@@ -136,7 +136,8 @@ def test_a_file_that_is_not_text_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("device, match", [
-    ({"usable_bytes": 2**31}, r"\[device.usable_bytes\] must be at most device.hbm_bytes \(1073741824\), got 2147483648"),
+    ({"usable_bytes": 2**31},
+     r"\[device.usable_bytes\] must be at most device.hbm_bytes \(1073741824\), got 2147483648"),
     ({"usable_bytes": 0}, r"\[device.usable_bytes\] must be a positive number, got 0"),
     ({"allocator_fraction": 0}, r"\[device.allocator_fraction\] must be a fraction above 0 and at most 1"),
     ({"allocator_fraction": 1.2}, r"\[device.allocator_fraction\] must be a fraction above 0 and at most 1")])

@@ -228,5 +228,6 @@ def test_experts_split_within_pipeline_stages_train_like_the_plain_step():
         want, want_metrics = jax.jit(ref.train_step)(want, batch)
         np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
     experts = [r for r in f.plan.inputs if "['params']" in r.name and "['moe']['w" in r.name]
-    assert experts and all(r.spec[:2] == (("stage",), ("expert",)) for r in experts), [(r.name, r.spec) for r in experts]
+    assert experts and all(r.spec[:2] == (("stage",), ("expert",))
+                           for r in experts), [(r.name, r.spec) for r in experts]
     assert not f.plan.warnings

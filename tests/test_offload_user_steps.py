@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardplan
 from shardplan import targets
@@ -92,7 +93,8 @@ def _plain_scan_step(policy=OFFLOAD_DOTS, L=3, D=64, H=256, B=64):
     step = _optax_step(loss, tx)
 
     k = jax.random.split(jax.random.key(0), 5)
-    params = {"layers": {"wi": jax.random.normal(k[0], (L, D, H)) * .05, "wo": jax.random.normal(k[1], (L, H, D)) * .05},
+    params = {"layers": {"wi": jax.random.normal(k[0], (L, D, H)) * .05,
+                         "wo": jax.random.normal(k[1], (L, H, D)) * .05},
               "head": jax.random.normal(k[2], (D, 8)) * .1}
     batch = {"x": jax.random.normal(k[3], (B, D)), "y": jax.random.normal(k[4], (B, 8))}
     return step, (params, tx.init(params)), batch
@@ -343,7 +345,8 @@ def _unrolled_step(L=4, D=128, H=256, B=64, bias=True):
     params = {"wi": [jax.random.normal(jax.random.fold_in(ks[0], i), (D, H)) * .05 for i in range(L)],
               "wo": [jax.random.normal(jax.random.fold_in(ks[1], i), (H, D)) * .05 for i in range(L)],
               "b": [jnp.zeros(H) if bias else jnp.zeros(()) for _ in range(L)]}
-    return step, (params, tx.init(params)), {"x": jax.random.normal(ks[2], (B, D)), "y": jax.random.normal(ks[3], (B, D))}
+    return step, (params, tx.init(params)), {"x": jax.random.normal(ks[2], (B, D)),
+                                             "y": jax.random.normal(ks[3], (B, D))}
 
 
 def test_layer_remat_offload_is_refused_and_never_offered():

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardplan.models.train import reference
 from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, layer_scan, pipelined
@@ -195,7 +196,8 @@ def test_config_counts_the_loop_and_its_bubble():
     ({"stages": 2, "microbatches": 4, "repeats": 2}, r"repeats=2 needs schedule='circular'"),
     ({"stages": 4, "microbatches": 2, "schedule": "circular", "repeats": 2},
      r"at least as many microbatches as stages: microbatches=2 < stages=4"),
-    ({"stages": 2, "microbatches": 4, "batch_axes": ("data", "stage")}, r"batch_axes=\('data', 'stage'\) holds the stage axis"),
+    ({"stages": 2, "microbatches": 4, "batch_axes": ("data", "stage")},
+     r"batch_axes=\('data', 'stage'\) holds the stage axis"),
 ])
 def test_bad_configs_are_refused_naming_the_setting(kwargs, match):
     with pytest.raises(PipelineError, match=match):
@@ -208,7 +210,8 @@ def _toy_loss(params, x):
 
 
 @pytest.mark.parametrize("layers,batch,axes,config,match", [
-    (6, 8, {"stage": 4}, PipelineConfig(4, 2), r"6 layers do not split into 4 stages x 1 repeats; .*no number of repeats.* stages in \[2, 3, 6\]"),
+    (6, 8, {"stage": 4}, PipelineConfig(4, 2),
+     r"6 layers do not split into 4 stages x 1 repeats; .*no number of repeats.* stages in \[2, 3, 6\]"),
     (8, 8, {"stage": 4}, PipelineConfig(4, 4, "circular", repeats=4),
      r"8 layers .* with the mesh's 4 stages use repeats in \[1, 2\]"),
     (4, 6, {"stage": 2}, PipelineConfig(2, 4), r"a batch of 6 does not split into 4 microbatches"),

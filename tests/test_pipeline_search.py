@@ -178,7 +178,8 @@ def test_a_pipelined_plan_runs_saves_and_loads(tmp_path):
         state, metrics = on_mesh(jax.tree.map(lambda x: x.copy(), state0), ref.batch(16, seed=0))
         np.testing.assert_allclose(float(metrics["loss"]), expected[0], rtol=1e-5)
     with pytest.raises(shardplan.PlanMismatchError, match="was made for mesh axes"):
-        shardplan.auto(ref.train_step, plan=path, mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "fsdp": 2, "model": 2}))
+        shardplan.auto(ref.train_step, plan=path,
+                       mesh=shardplan.load_mesh("cpu-8", axes={"data": 2, "fsdp": 2, "model": 2}))
     edited = Path(path).read_text().replace('"stages": 4', '"stages": 3')
     with pytest.raises(PlanFileError, match=r"pipeline's 3 stages are not a mesh axis 'stage' of that size"):
         shardplan.Plan.from_json(edited, source="edited")

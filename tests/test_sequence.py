@@ -114,7 +114,8 @@ def test_bad_context_settings_say_what_works():
         _planned(step, args, "sideways")
     with pytest.raises(shardplan.ShardplanError, match="seq_axes is empty"):
         ContextConfig("ring", seq_axes=())
-    with pytest.raises(shardplan.ShardplanError, match="strategy='zigzag' is not one of 'allgather', 'ulysses', 'ring'"):
+    with pytest.raises(shardplan.ShardplanError,
+                       match="strategy='zigzag' is not one of 'allgather', 'ulysses', 'ring'"):
         ContextConfig("zigzag", seq_axes=("seq",))
     with pytest.raises(shardplan.ShardplanError, match="load_balance='zig' is not one of None, 'zigzag'"):
         ContextConfig("ring", seq_axes=("seq",), load_balance="zig")
@@ -222,7 +223,8 @@ def test_the_reference_llama_written_with_einsum_attention_is_split_as_asked(con
         got, got_metrics = f(got, batch)
         want, want_metrics = jax.jit(plain.train_step)(want, batch)
     assert f.plan.context_config() == config
-    assert {"allgather": "all-gather", "ulysses": "all-to-all", "ring": "collective-permute"}[config.strategy.value] in kinds
+    assert {"allgather": "all-gather", "ulysses": "all-to-all",
+            "ring": "collective-permute"}[config.strategy.value] in kinds
     np.testing.assert_allclose(jax.tree.leaves(got_metrics), jax.tree.leaves(want_metrics), rtol=1e-5)
 
 

@@ -9,9 +9,9 @@ import pytest
 
 import shardplan
 from shardplan.models.train import reference
+from shardplan.problem import Node, Problem
 from shardplan.simplify import expand, simplify
 from shardplan.solver import peak_memory, solve, total_cost
-from shardplan.problem import Node, Problem
 from shardplan.tying import tie, untie
 
 
@@ -79,7 +79,8 @@ def test_tying_gives_every_member_the_same_choice_and_exact_cost():
     choice = untie(tied, sol.choice)
     assert choice[1] == choice[2] and choice[4] == choice[5]
     assert total_cost(problem, choice) == pytest.approx(sol.stats.objective, rel=1e-9)
-    constrained = min(total_cost(problem, list(c)) for c in itertools.product(*[range(len(n.options)) for n in problem.nodes])
+    constrained = min(total_cost(problem, list(c))
+                      for c in itertools.product(*[range(len(n.options)) for n in problem.nodes])
                       if c[1] == c[2] and c[4] == c[5])
     assert sol.stats.objective == pytest.approx(constrained, rel=1e-6)
 

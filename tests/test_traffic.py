@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import shardplan
-from shardplan.models.train import reference
 from shardplan import targets
+from shardplan.models.train import reference
 from shardplan.rules import apply_rule
-from shardplan.traffic import hbm_traffic, copied_slices
+from shardplan.traffic import copied_slices, hbm_traffic
 from shardplan.walk import build_graph
 
 B, D, L = 256, 128, 4

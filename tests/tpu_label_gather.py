@@ -13,10 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from test_loop_ties import sequence, step  # noqa: E402
 
 import shardplan  # noqa: E402
 from shardplan import api  # noqa: E402
-from test_loop_ties import sequence, step  # noqa: E402
 
 if sys.argv[1] == "free":
     api._tied_state = lambda traced, graph: None

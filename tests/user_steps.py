@@ -31,7 +31,7 @@ class UserStep:
     fn: Callable                      # step(state, ...) -> (new_state, metrics with "loss")
     args: tuple                       # concrete positional args; args[0] is the state
     kwargs: dict = dataclasses.field(default_factory=dict)
-    jit: dict = dataclasses.field(default_factory=dict)   # static_argnums/static_argnames/donate_argnums/donate_argnames
+    jit: dict = dataclasses.field(default_factory=dict)  # static_argnums/static_argnames/donate_argnums/donate_argnames
     params_of: Callable[[Any], Any] = lambda state: state.params   # the trained parameters in a state
     # Compare the final parameters too, not only the losses. Only for SGD steps: Adam's update
     # lr * m / (sqrt(v) + eps) turns a 1e-10 rounding difference in a zero gradient (a unit dropped
