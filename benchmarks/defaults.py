@@ -12,7 +12,8 @@ Prints markdown tables:
 * the decorator's first call (trace, plan, compile; plan cache off) against a plain ``jax.jit``
   lower and compile of the same step, as a ratio measured in the same run;
 * ``--large``: GPT-3 175B written as a plain ``jax.lax.scan`` of checkpointed layers
-  (:mod:`shardplan.benchmarks.user_gpt3`; no shardplan call in the model), batch 1536, on ``a100-128x8`` with its nodes on InfiniBand and on 10 Gb Ethernet: planning time and
+  (:mod:`shardplan.benchmarks.user_gpt3`; no shardplan call in the model), batch 1536, on
+  ``a100-128x8`` with its nodes on InfiniBand and on 10 Gb Ethernet: planning time and
   predicted step with the defaults (a pipeline searched: several nodes) and with
   ``pipeline="off"``.
 """
@@ -78,8 +79,9 @@ def _corpus_steps(folder: str):
         for name, build in module.BUILDERS.items():
             us = build()
             yield name, "cpu-8", us.fn, us.args, dict(us.jit), None, us.kwargs
-    step, args = scan_steps.abstract_gpt(12, 1024, 16, 1024, 50304, 64)
-    yield "plain-scan GPT, 12 x d1024, batch 64, bf16", "h100-8", step, args, {"donate_argnums": (0,)}, "6GiB", None
+    for written, build in (("plain-scan", scan_steps.abstract_gpt), ("unrolled", scan_steps.abstract_unrolled_gpt)):
+        step, args = build(12, 1024, 16, 1024, 50304, 64)
+        yield f"{written} GPT, 12 x d1024, batch 64, bf16", "h100-8", step, args, {"donate_argnums": (0,)}, "6GiB", None
 
 
 def _decorator_ratio() -> str:

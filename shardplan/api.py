@@ -13,22 +13,23 @@ from typing import Any, overload
 
 import jax
 
-from shardplan.apply import constrained_function
 from shardplan import defaults, footprint, sequence, targets
-from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
+from shardplan.apply import constrained_function
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
-from shardplan.walk import build_graph
-from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.fit import fit_compiled
 from shardplan.hardware import runs_on, spec_for_mesh
 from shardplan.mesh import MeshSpec, auto_axes, load_mesh, make_jax_mesh
+from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
 from shardplan.pipeline_search import staged_axes
-from shardplan.plan import Plan, signature as plan_signature
+from shardplan.plan import Plan
+from shardplan.plan import signature as plan_signature
 from shardplan.planner import PlannerOptions
 from shardplan.progress import Status
 from shardplan.rules import apply_rule
+from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
 from shardplan.sizes import format_bytes
 from shardplan.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
+from shardplan.walk import build_graph
 
 
 def _mesh_spec(mesh, hardware=None) -> MeshSpec:
@@ -448,7 +449,8 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     extra); ``step.fit_attempts`` lists the compiles.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
     same devices). ``remat``, ``context``: as :func:`plan`'s; each family left at ``None`` is
-    searched where it can help (:mod:`shardplan.defaults`), ``"off"`` keeps the step as written. ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
+    searched where it can help (:mod:`shardplan.defaults`), ``"off"`` keeps the step as written.
+    ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
@@ -543,3 +545,15 @@ def search_mesh(fn: Callable, *args, hardware, axis_names: Sequence[str] = ("dat
             f"tried {[t[0] for t in tried]}", budget_bytes=budget_for(memory_budget, base), min_feasible_bytes=None,
             largest_tensors=[])
     return best, tried
+
+
+def _apply(self: Plan, fn, **kwargs) -> AutoFunction:
+    """``fn`` compiled under this plan, without solving: ``shardplan.auto(fn, plan=self, **kwargs)``.
+    The first call (or ``make_plan``) traces ``fn`` and checks that it is the step this plan
+    was made for (:class:`PlanMismatchError` names the first difference)."""
+    return auto(fn, plan=self, **kwargs)
+
+
+# A plan is a record below the decorator that compiles it: its ``apply`` is the decorator's,
+# set here so that shardplan.plan imports nothing above it.
+Plan.apply = _apply

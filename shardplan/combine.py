@@ -9,41 +9,9 @@ share of one collective's latency (:meth:`shardplan.cost.CostModel.reduce_table`
 from __future__ import annotations
 
 from shardplan.graph import Graph
-from shardplan.liveness import FUSIBLE
+from shardplan.liveness import ACCUMULATE, FUSIBLE, feeds_stacked_output
 
-# Ops a per-layer gradient may pass through on its way to a scan's stacked output: layout
-# changes, casts and accumulation.
-ACCUMULATE = {"add", "add_any", "convert_element_type", "reshape", "transpose", "copy", "copy_p",
-               "squeeze", "expand_dims"}
-
-
-def feeds_stacked_output(g: Graph, tid: int) -> bool:
-    """Whether ``tid``, made in a scan body, only flows into a tensor the scan stacks into an output.
-
-    Such a tensor is a per-layer gradient on its way to the stacked gradient. Every path from
-    it inside the body passes only through layout and accumulation ops; nothing else in the
-    body reads it, so its reduction is independent of every other one in the body, and XLA's
-    collective combiners merge them all into one collective per trip.
-    """
-    loop = g.loop_of[tid]
-    if not loop:
-        return False
-    stack, seen, reached = [tid], {tid}, False
-    while stack:
-        t = stack.pop()
-        reached |= t in g.stacked
-        if t not in g.stacked and not g.readers.get(t):
-            return False      # a body output that is carried to the next trip, not stacked
-        for prim, outs in g.readers.get(t, []):
-            if prim not in ACCUMULATE:
-                return False
-            for o in outs:
-                if g.loop_of[o] != loop:
-                    return False
-                if o not in seen:
-                    seen.add(o)
-                    stack.append(o)
-    return reached
+__all__ = ["ACCUMULATE", "combined_reductions", "feeds_stacked_output", "feeds_update"]
 
 def feeds_update(g: Graph, tid: int) -> bool:
     """Whether ``tid``, made at the top level, only flows through elementwise work into outputs.

@@ -153,3 +153,17 @@ def _explained(written: InfeasibleBudgetError, failed: list, mesh: MeshSpec, bud
                    for label, e in failed]
     return error
 
+
+def runner_up(completed: list, best, family: str) -> str:
+    """For :attr:`~shardplan.plan.Plan.searched`: the fastest of ``completed`` whose choice for ``family``
+    differs from ``best``'s, and its predicted step against ``best``'s."""
+    others = [p for p in completed if p.choice(family) != best.choice(family)]
+    if not others:
+        return "no other candidate fitted the budget or could beat it"
+    other = min(others, key=lambda p: p.cost.step_s)
+    return f"best other: {other.choice(family)}, predicted {_seconds(other.cost.step_s)} against " \
+           f"{_seconds(best.cost.step_s)}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"

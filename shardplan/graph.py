@@ -189,6 +189,12 @@ class Graph:
         self.compiler = "cpu"      # the kind of XLA compiler the mesh's programs go through: cpu, gpu, tpu
         self.donated_outputs: frozenset[int] = frozenset()   # outputs written into donated input buffers
         self.current_loop = 0
+        # tensor -> the differentiated jax.checkpoint (prevent_cse) it is made in; 0 outside any.
+        # XLA's partitioner reshards a value once per computation, but a checkpoint's inputs reach
+        # its body through an optimization barrier: a reshard there is of another value.
+        self.region_of: list[int] = []
+        self.current_region = 0
+        self._regions = 0
         self.call_source = ""      # where the call being walked inline was made (see source_of)
         self._loops = 0
         self.warnings: list[str] = []
@@ -211,6 +217,7 @@ class Graph:
         host = str(getattr(aval, "memory_space", "")).endswith("Host")
         self.tensors.append(Tensor(tid, shape, dtype, name, role, source, mult, path, host))
         self.loop_of.append(self.current_loop)
+        self.region_of.append(self.current_region)
         self._groups.add()
         self._dim_offset.append(len(self._dims.parent))
         for _ in shape:

@@ -16,6 +16,7 @@ import numpy as np
 
 from shardplan import splitk
 
+
 @dataclasses.dataclass
 class Level:
     """Liveness bookkeeping of one jaxpr being walked."""
@@ -44,8 +45,8 @@ class Level:
 # Primitives XLA fuses into a loop fusion with their producers: the producer's result is computed
 # inside the consumer's kernel and never stored, if every reader is one of these.
 FUSIBLE = frozenset("""
-abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp exp2
-expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
+abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy cos div eq erf erf_inv erfc exp
+exp2 expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
 nextafter not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum rem reshape
 reduce_precision round rsqrt select_n sign sin sqrt square squeeze stop_gradient sub tan tanh transpose xor
 """.split())
@@ -255,7 +256,7 @@ def combined_matmuls(g, level: Level) -> tuple[int | None, list[int]]:
     every earlier one's split-K partial sums are live too. Else ``(None, [])``.
 
     The matmuls are the weight gradients of a scan body over layers that flow only into the
-    stacked gradient (:func:`shardplan.combine.feeds_stacked_output`): XLA's combiner reduces
+    stacked gradient (:func:`feeds_stacked_output`): XLA's combiner reduces
     them in one all-reduce (or reduce-scatter) of their concatenation. On sm_90 the GPU
     compiler's scheduler (its latency-hiding scheduler, with the analytical estimator of Hopper
     GPUs) runs all of those matmuls, then all of their split-K reductions, then the
@@ -269,7 +270,6 @@ def combined_matmuls(g, level: Level) -> tuple[int | None, list[int]]:
     the fourth over other devices), so the top level has no such group.
     Whether a matmul's result is reduced at all depends on its PartitionSpecs: the planner counts
     its partial sums here only for the options that reduce it (:mod:`shardplan.strategies`)."""
-    from shardplan.combine import feeds_stacked_output
     gpu = splitk.gpu_of(g.device)
     if gpu is None or gpu.arch == "ampere":
         return None, []
@@ -430,3 +430,39 @@ def multi_output_kernels(g, level: Level) -> int:
         parent[("stack", t)], members[("stack", t)] = ("stack", t), [("stack", t)]
         join(first_reader.get(key, t), ("stack", t))
     return sum(1 for r, ms in members.items() if parent[r] == r and len(ms) > 1)
+
+
+# Ops a per-layer gradient may pass through on its way to a scan's stacked output: layout
+# changes, casts and accumulation.
+ACCUMULATE = {"add", "add_any", "convert_element_type", "reshape", "transpose", "copy", "copy_p",
+               "squeeze", "expand_dims"}
+
+
+def feeds_stacked_output(g, tid: int) -> bool:
+    """Whether ``tid``, made in a scan body of ``g`` (a :class:`~shardplan.graph.Graph`), only flows
+    into a tensor the scan stacks into an output.
+
+    Such a tensor is a per-layer gradient on its way to the stacked gradient. Every path from
+    it inside the body passes only through layout and accumulation ops; nothing else in the
+    body reads it, so its reduction is independent of every other one in the body, and XLA's
+    collective combiners merge them all into one collective per trip.
+    """
+    loop = g.loop_of[tid]
+    if not loop:
+        return False
+    stack, seen, reached = [tid], {tid}, False
+    while stack:
+        t = stack.pop()
+        reached |= t in g.stacked
+        if t not in g.stacked and not g.readers.get(t):
+            return False      # a body output that is carried to the next trip, not stacked
+        for prim, outs in g.readers.get(t, []):
+            if prim not in ACCUMULATE:
+                return False
+            for o in outs:
+                if g.loop_of[o] != loop:
+                    return False
+                if o not in seen:
+                    seen.add(o)
+                    stack.append(o)
+    return reached

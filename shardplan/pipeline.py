@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan import recompute, stacks
+from shardplan import recompute, stacks, unrolled
 from shardplan.errors import ShardplanError
 from shardplan.walk import SHIFT_CALL
 
@@ -233,8 +233,10 @@ def layer_scan(f, init, xs, length: int | None = None):
     ...     return h + jnp.tanh(h @ layer["w"]), None
     >>> h, _ = layer_scan(body, h, {"w": stacked})   # was: jax.lax.scan(body, h, {"w": stacked})
     """
+    where = recompute.caller(1)
+    stacks.note(where)
     with stacks.inside():
-        return _stack(f, init, xs, length, recompute.caller(1), None, {})
+        return _stack(f, init, xs, length, where, None, {})
 
 
 def _stack(f, init, xs, length, where: str, why_not, scan_kwargs: dict, checkpointed: bool | None = None,
@@ -318,8 +320,10 @@ def _plain_fori(lower, upper, body_fun, init_val, **kwargs):
 def recognising():
     """Within this context (while shardplan traces a step, :func:`shardplan.stacks.step_inputs`),
     ``jax.lax.scan`` and ``jax.lax.fori_loop`` calls over layer stacks run as :func:`layer_scan`
-    does: recomputed as their layer class is chosen, pipelined inside :func:`pipelined`."""
-    return stacks.PATCH.installed(_plain_scan, _plain_fori)
+    does: recomputed as their layer class is chosen, pipelined inside :func:`pipelined`; and
+    unrolled repeated layers in what ``jax.grad``, ``jax.value_and_grad`` and ``jax.vjp``
+    differentiate are recomputed as their class is chosen (:mod:`shardplan.unrolled`)."""
+    return stacks.PATCH.installed({"lax.scan": _plain_scan, "lax.fori_loop": _plain_fori, **unrolled.ROUTERS})
 
 
 def _rolled(a, shift: int):
@@ -476,8 +480,8 @@ def _pipeline(f, init, xs, config: PipelineConfig, mesh, ys_aside: bool = False)
         # The last stage finishes item t - (S - 1).
         done = t - (S - 1)
         finished = (done >= 0) & (done < M * R)
-        outputs = jax.tree.map(lambda o, a: jnp.where(finished, put(o, groups(a[S - 1], 0), jnp.maximum(done, 0) % M), o),
-                               outputs, out)
+        outputs = jax.tree.map(
+            lambda o, a: jnp.where(finished, put(o, groups(a[S - 1], 0), jnp.maximum(done, 0) % M), o), outputs, out)
         state = jax.tree.map(lambda a: _constrain(stage_shift(a), mesh, config.axis), out)
         return (state, outputs), None
 

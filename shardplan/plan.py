@@ -54,7 +54,8 @@ class PredictedCost:
     comm_bytes_by_kind: dict[str, float]
     memory_bytes: float                   # peak per device: arguments + live intermediates
     memory_bytes_by_role: dict[str, float]  # arguments only: "params", "opt_state", "batch", ...
-    comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)  # split evenly over a collective's axes
+    # split evenly over a collective's axes
+    comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     input_s: float = 0.0                  # the hosts loading the step's input, each its share
     # Host offload: seconds of copies between device and pinned host memory (all of them show in
     # the step: offload_exposed_s), and the bytes per device held in host memory.
@@ -195,7 +196,8 @@ class Plan:
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)
                                       or "none"),
                  "pipeline: " + (self.choice("pipeline") if self.pipeline or not self.stage_shifts else
-                                 "the step's own (traced inside pipelined(...)), planned around") + self._beat("pipeline"),
+                                 "the step's own (traced inside pipelined(...)), planned around")
+                 + self._beat("pipeline"),
                  "recomputation: " + self.choice("remat") + self._beat("remat"),
                  "context parallelism: " + self.choice("context") + self._beat("context"),
                  "arguments per device: " + ", ".join(f"{k} {format_bytes(v)}"
@@ -204,7 +206,8 @@ class Plan:
                  f"(HBM traffic unfused), "
                  f"gap {self.solver.gap:.2%}, {self.solver.wall_time:.2f} s, "
                  f"{self.solver.num_variables} variables, {self.solver.num_constraints} constraints", ""]
-        header = f"{'role':<10} {'tensor':<58} {'shape':<22} {'dtype':<9} {'PartitionSpec':<34} {'bytes/dev':>11} {'cost ms':>9}"
+        header = (f"{'role':<10} {'tensor':<58} {'shape':<22} {'dtype':<9} {'PartitionSpec':<34} "
+                  f"{'bytes/dev':>11} {'cost ms':>9}")
         lines += [header, "-" * len(header)]
         acts = sorted(self.activations, key=lambda r: -r.cost_s)[:max_activations]
         for r in list(self.inputs) + list(self.outputs) + acts:
@@ -419,13 +422,6 @@ class Plan:
             raise PlanFileError(f"{path}: not a text file, so not a shardplan plan") from None
         return cls.from_json(text, source=path)
 
-    def apply(self, fn, **kwargs):
-        """``fn`` compiled under this plan, without solving: ``shardplan.auto(fn, plan=self, **kwargs)``.
-        The first call (or ``make_plan``) traces ``fn`` and checks that it is the step this plan
-        was made for (:class:`PlanMismatchError` names the first difference)."""
-        from shardplan.api import auto
-        return auto(fn, plan=self, **kwargs)
-
     def specs_by_tensor(self) -> dict[str, Spec]:
         """Tensor path -> spec, for every tensor the plan names."""
         return {r.path: r.spec for r in (*self.inputs, *self.outputs, *self.activations) if r.path}
@@ -473,18 +469,3 @@ def _describe_remat(remat: dict | None) -> str:
     if not remat or not remat.get("sites"):
         return "as the step is written"
     return "; ".join(f"{s['where']} ({s['layers']} layers): {s['policy']}" for s in remat["sites"])
-
-
-def runner_up(completed: list[Plan], best: Plan, family: str) -> str:
-    """For :attr:`Plan.searched`: the fastest of ``completed`` whose choice for ``family``
-    differs from ``best``'s, and its predicted step against ``best``'s."""
-    others = [p for p in completed if p.choice(family) != best.choice(family)]
-    if not others:
-        return "no other candidate fitted the budget or could beat it"
-    other = min(others, key=lambda p: p.cost.step_s)
-    return f"best other: {other.choice(family)}, predicted {_seconds(other.cost.step_s)} against " \
-           f"{_seconds(best.cost.step_s)}"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"

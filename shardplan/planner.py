@@ -9,13 +9,11 @@ import time
 import warnings
 from collections.abc import Sequence
 
-
 from shardplan.cost import COLLECTIVE_KINDS, Spec, shared_model
 from shardplan.errors import InfeasibleBudgetError, ShardplanError
 from shardplan.exact import lagrangian_start, lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.graph import Graph
 from shardplan.manual import body_costs
-from shardplan.walk import build_graph
 from shardplan.mesh import MeshSpec
 from shardplan.plan import Plan, PredictedCost, TensorPlan, fingerprint, signature
 from shardplan.progress import Status
@@ -26,6 +24,7 @@ from shardplan.solver import Solution, SolverStats, greedy, peak_memory, solve, 
 from shardplan.strategies import Enumerator
 from shardplan.targets import compiler_kind
 from shardplan.tying import tie, untie
+from shardplan.walk import build_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +118,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
                 problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
                                                            unwanted)
         except InfeasibleBudgetError as e:
-            least = "" if e.min_feasible_bytes is None else f": needs at least {e.min_feasible_bytes / 2**30:.2f} GiB a device"
+            least = ("" if e.min_feasible_bytes is None
+                     else f": needs at least {e.min_feasible_bytes / 2**30:.2f} GiB a device")
             line.done(f"no plan fits the budget of {e.budget_bytes / 2**30:.2f} GiB{least}")
             raise
         stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
@@ -157,9 +157,10 @@ def _wide(enum: Enumerator) -> bool:
 
 def _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted=lambda problem, choice, sol: False,
                    beat: float = math.inf):
-    """``(problem without tables, solution, whether the budget shaped it)`` for a wide problem (tables too large to price whole:
-    meshes of three or more axes): a search that moves one or two mesh axes at a time and prices
-    only the options each move may take; under the budget from the leanest plan where the
+    """``(problem without tables, solution, whether the budget shaped it)`` for a wide problem
+    (tables too large to price whole: meshes of three or more axes): a search that moves one or two
+    mesh axes at a time and prices only the options each move may take; under the budget from the
+    leanest plan where the
     unconstrained plan does not fit (and is not ``unwanted``: then it is returned as it is). Where
     :meth:`~shardplan.strategies.Enumerator.step_floor` (a lower bound on the predicted step) is no
     faster than ``beat``, no plan is wanted: the first options are returned unsolved."""
@@ -191,9 +192,9 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted=lambda pro
 
 
 def _solve_built(problem, budget_bytes, options, line, graph, enum, unwanted=lambda problem, choice, sol: False):
-    """``(problem, solution, choice, whether the budget shaped it)`` with every table built: exactly where elimination can,
-    under the memory budget with CP-SAT where the unconstrained optimum does not fit (and is not
-    ``unwanted``: then it is returned as it is)."""
+    """``(problem, solution, choice, whether the budget shaped it)`` with every table built:
+    exactly where elimination can, under the memory budget with CP-SAT where the unconstrained
+    optimum does not fit (and is not ``unwanted``: then it is returned as it is)."""
     tied = tie(problem) if options.tie_layers else None
     solved = tied.problem if tied else problem
     reduced = simplify(solved)
@@ -385,16 +386,20 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     # XLA's partitioner reshards one tensor to one spec once per computation (its reshard cache,
     # then CSE): ops of one loop body (or of the top level) that need an operand resharded alike
     # share one set of collectives, e.g. the tied embedding gathered for the logits and again for
-    # their gradient. The bytes and seconds count it once; the objective the ILP minimised
-    # (searched_s) keeps each reader's, as its pairwise tables price them.
+    # their gradient. Not across a differentiated jax.checkpoint's optimization barrier: its body
+    # reads the barrier's copy of the operand, and reshards it again (an unrolled layer's weight,
+    # gathered for the forward pass and again for the recomputation). The bytes and seconds count
+    # each once; the objective the ILP minimised (searched_s) keeps each reader's, as its pairwise
+    # tables price them.
     resharded: set = set()
 
-    def repeats(tid, need, loop, itemsize=None):
+    def repeats(tid, need, loop, itemsize=None, region=0):
         """The collectives of resharding ``tid`` to ``need`` where an op before did the same
-        (``itemsize``: the bytes an element moves as, where not its own: a dot's bfloat16 pass)."""
+        (``itemsize``: the bytes an element moves as, where not its own: a dot's bfloat16 pass;
+        ``region``: the differentiated checkpoint the reading op is in, :attr:`Graph.region_of`)."""
         t = graph.tensors[tid]
         itemsize = itemsize or t.dtype.itemsize
-        key = (tid, need, loop, itemsize)
+        key = (tid, need, loop, itemsize, region)
         if need is None or key not in resharded:
             resharded.add(key)
             return []
@@ -427,7 +432,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 kind, made, partial = rewrite
                 rewrites[graph.tensors[e.dst].path] = {"kind": kind, "operand": spec_of[e.src], "made": made,
                                                        "partial": tuple(partial)}
-            account(comms, e.mult, e.dst, repeats(e.src, pin, graph.loop_of[e.dst]))
+            account(comms, e.mult, e.dst, repeats(e.src, pin, graph.loop_of[e.dst], region=graph.region_of[e.dst]))
         else:
             need = enum.scattered_updates(e, spec_of[e.src], spec_of[e.dst])
             if need is not None and need != spec_of[e.src]:
@@ -456,7 +461,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
         repeated = [c for tid, need in ((dot.lhs, req_l), (dot.rhs, req_r))
                     for c in repeats(tid, need if need != spec_of[tid] else None, graph.loop_of[dot.out],
-                                     enum.moved_itemsize(dot, graph.tensors[tid]))]
+                                     enum.moved_itemsize(dot, graph.tensors[tid]), graph.region_of[dot.out])]
         account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out,
                 repeated)
         t = enum.dot_compute(dot, option) * dot.mult

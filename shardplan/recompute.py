@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import jax
 
+from shardplan import stacks
 from shardplan.errors import ShardplanError
 
 # Named policies -> jax.checkpoint_policies attribute; ordered from the least device memory saved to the most.
@@ -85,6 +86,15 @@ def checkpoint_policy(name: str, vmapped: int = 0):
     return unbatched
 
 
+# XLA's CPU compiler schedules an unrolled layer's recomputation as soon as its inputs are ready,
+# in the forward pass, so it holds what the layer without recomputation holds (compiled, 4 layers
+# of d 512 on cpu-8: 398.28 MiB with "full", 398.31 MiB without). A scanned layer's is in the
+# backward loop, where it saves. The GPU compiler's scheduler keeps it late (tests/test_unrolled.py).
+CPU_UNROLLED = ("XLA's CPU compiler runs an unrolled layer's recomputation in the forward pass, as soon as its "
+                "inputs are ready, so it holds what the layers without recomputation hold; a scanned stack's "
+                "recomputation saves memory there, and the GPU and TPU compilers keep it for the backward pass")
+
+
 def policies_for(host_apart: bool) -> tuple[str, ...]:
     """The policies a target offers: host offload only where host memory is apart (GPU, TPU)."""
     return tuple(p for p in POLICIES if host_apart or p not in OFFLOADING)
@@ -127,6 +137,11 @@ def recomputing(choices: dict[str, str] | str):
         yield active.sites
     finally:
         _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """Whether a step is traced for recomputation now (:func:`recomputing`)."""
+    return _ACTIVE.get() is not None
 
 
 def caller(depth: int) -> str:
@@ -222,6 +237,16 @@ def loop_body(f, probe_args: tuple, layers: int, where: str, vmapped: int = 0, s
     return _wrap(f, policy, in_scan=True, vmapped=vmapped)
 
 
+def unrolled_layer(f, where: str, shape_sig: str, checkpointed: bool):
+    """``f``, one of the unrolled repeated layers the model runs from ``where``
+    (:mod:`shardplan.unrolled`), called with arguments of types ``shape_sig``, under its class's
+    policy; ``checkpointed``: whether ``f`` recomputes itself."""
+    if _ACTIVE.get() is None:
+        return f
+    policy = _policy_for(where, shape_sig, f, (), 1, scanned=False, checkpointed=checkpointed)
+    return _wrap(f, policy, in_scan=False)
+
+
 def layer_remat(f: Callable) -> Callable:
     """``f`` (one layer of an unrolled stack, called once per layer) recomputed as the planner
     chooses for its class: the line that calls ``layer_remat`` with the shapes ``f`` gets. Outside
@@ -234,6 +259,7 @@ def layer_remat(f: Callable) -> Callable:
 
     @functools.wraps(f)
     def call(*args):
+        stacks.note(where)
         if _ACTIVE.get() is None:
             return f(*args)
         policy = _policy_for(where, _shapes(args), f, args, 1, scanned=False)
@@ -246,7 +272,7 @@ def layer_remat(f: Callable) -> Callable:
 
 def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], *,
            policies=policies_for(False), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
-           first=...):
+           first=..., unrolled_saves: bool = True):
     """The assignment of ``policies`` to the classes in ``sites`` whose plan ``evaluate`` predicts
     the fastest. ``evaluate(choices, beat)`` traces and plans the step under ``{key: policy}``;
     ``None`` where no plan fits, or none can be faster than ``beat`` seconds. ``first``: its plan
@@ -260,6 +286,8 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
     residual and copies a matmul's into it; :func:`shardplan.traffic.hbm_traffic`), so on a GPU
     ``dots`` measured faster than ``none`` with memory to spare (RESULTS.md, session 21). ``evaluate``
     drops a plan early when even its unconstrained optimum cannot beat the best so far.
+    ``unrolled_saves``: whether the compiler holds less for recomputed unrolled layers (not
+    XLA's CPU compiler: :data:`CPU_UNROLLED`); where not, those classes keep ``"none"``.
     """
     free = [k for k, s in sites.items() if not s.checkpointed]
     fixed = {k: USER for k, s in sites.items() if s.checkpointed}
@@ -288,6 +316,9 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         return {**fixed, **best_assign}, best, tried
     # Host offload only for scanned classes (see _policy_for).
     offered = {k: [p for p in policies if sites[k].scanned or p not in OFFLOADING] for k in free}
+    free = [k for k in free if sites[k].scanned or unrolled_saves]
+    if not free:
+        return {**fixed, **best_assign}, best, tried
     if len(free) <= max_exhaustive:
         grid = [dict(zip(free, combo)) for combo in itertools.product(*(offered[k] for k in free))]
     else:

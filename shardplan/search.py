@@ -14,15 +14,16 @@ from collections.abc import Callable
 
 from shardplan import cache as plan_cache
 from shardplan import defaults, pipeline_search, recompute, sequence
+from shardplan.defaults import runner_up
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
 from shardplan.mesh import MeshSpec
 from shardplan.pipeline import NoLayerStackError, PipelineError
-from shardplan.plan import Plan, runner_up
+from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
 from shardplan.progress import Status, silenced
+from shardplan.sizes import parse_bytes
 from shardplan.solver import StopToken, stoppable
 from shardplan.targets import compiler_kind
-from shardplan.sizes import parse_bytes
 from shardplan.trace import TracedStep
 
 
@@ -76,7 +77,8 @@ def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_s
         raise NoLayerStackError(
             "the step has no layer stack a pipeline can split"
             + (": " + "; ".join(refused) if refused else
-               " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a shardplan.layer_scan)")
+               " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a shardplan.layer_scan;"
+               " layers unrolled in a Python loop, each with its own weights, are recomputed but not pipelined)")
             + "; plan with pipeline='off'")
     return traced, sites
 
@@ -238,7 +240,8 @@ def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
                     no_layers = no_layers or not sites
                     if sites:
                         _, first, _ = recompute.search(evaluate, sites, say=say, first=first,
-                                                       policies=recompute.policies_for(host_apart(cand.mesh)))
+                                                       policies=recompute.policies_for(host_apart(cand.mesh)),
+                                                       unrolled_saves=compiler_kind(cand.mesh) != "cpu")
                     completed.extend(p for p, _ in made.values() if p is not first)
                     found = [] if first is None else [made[id(first)]]
             except (PipelineError, InfeasibleBudgetError) as e:
@@ -267,6 +270,13 @@ def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     if remat == "auto" and (best[0].remat or {}).get("sites"):
         searched["remat"] = runner_up(completed, best[0], "remat")
     best = (dataclasses.replace(best[0], searched=searched), best[1])
+    wasted = [s["where"] for s in (best[0].remat or {}).get("sites", [])
+              if s["policy"] not in ("none", recompute.USER) and compiler_kind(mesh_spec) == "cpu"
+              and not met.get(s["key"], recompute.Site("", "", 0, False)).scanned]
+    if wasted:
+        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
+            f"remat={remat!r} recomputes the unrolled layers at {', '.join(wasted)}, but {recompute.CPU_UNROLLED}: "
+            "the predicted memory counts a saving this compiler does not make",)), best[1])
     if (no_layers or remat not in (None, "auto")) and not (best[0].remat or {}).get("sites"):
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
             f"remat={remat!r}: {NO_LAYERS}, so no layer's recomputation could be "

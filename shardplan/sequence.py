@@ -29,8 +29,8 @@ import jax
 from shardplan import context as cp
 from shardplan import einsum_attention
 from shardplan.context import LoadBalance, Strategy
+from shardplan.defaults import runner_up
 from shardplan.errors import ShardplanError
-from shardplan.plan import runner_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +113,15 @@ def context_parallel(config: ContextConfig | None, mesh):
     jax.clear_caches()
     token = _ACTIVE.set((config, mesh, use))
     jax.nn.dot_product_attention = _routed
-    for name, transform in _TRANSFORMS.items():
+    # Wrapped as they are now: inside shardplan's own routers (shardplan.unrolled), if in place.
+    saved = {name: getattr(jax, name) for name in _TRANSFORMS}
+    for name, transform in saved.items():
         setattr(jax, name, _differentiating(transform))
     try:
         yield use
     finally:
         jax.nn.dot_product_attention = _DOT_PRODUCT_ATTENTION
-        for name, transform in _TRANSFORMS.items():
+        for name, transform in saved.items():
             setattr(jax, name, transform)
         _ACTIVE.reset(token)
         if config is not None:
@@ -127,7 +129,7 @@ def context_parallel(config: ContextConfig | None, mesh):
 
 
 # The transforms whose function is searched for attention written out (einsum-softmax-einsum).
-_TRANSFORMS = {"grad": jax.grad, "value_and_grad": jax.value_and_grad, "vjp": jax.vjp}
+_TRANSFORMS = ("grad", "value_and_grad", "vjp")
 
 
 def _differentiating(transform):
@@ -235,7 +237,8 @@ def traced_in(trace, config: ContextConfig | None, axis_names, axis_sizes, use: 
 def check_setting(setting):
     """``setting`` as ``context=`` takes it: ``None`` (the default: :mod:`shardplan.defaults`),
     ``"off"``, ``"auto"`` or a :class:`ContextConfig`."""
-    if setting is None or isinstance(setting, ContextConfig) or (isinstance(setting, str) and setting in ("auto", "off")):
+    if setting is None or isinstance(setting, ContextConfig) or (isinstance(setting, str)
+                                                                 and setting in ("auto", "off")):
         return setting
     raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
 

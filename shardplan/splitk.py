@@ -51,12 +51,12 @@ class Gpu:
 def gpu_of(device_name: str) -> Gpu | None:
     """The GPU a device name names (one of :mod:`shardplan.targets`' GPU families, Ampere or
     newer), else ``None``: no split-K."""
-    from shardplan.targets import _GPU_FAMILIES
+    from shardplan.targets import GPU_FAMILIES
     name = device_name.lower()
-    family = next((f for f in _GPU_FAMILIES if f in name), None)
+    family = next((f for f in GPU_FAMILIES if f in name), None)
     if family is None:
         return None
-    f = _GPU_FAMILIES[family]
+    f = GPU_FAMILIES[family]
     arch = _ARCH.get(f["major"])
     return Gpu(f["core_count"], arch) if arch else None
 

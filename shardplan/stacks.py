@@ -36,6 +36,7 @@ ORIGINAL_FORI = jax.lax.fori_loop
 
 _STEP_SHAPES: contextvars.ContextVar = contextvars.ContextVar("shardplan_step_shapes", default=None)
 _INSIDE: contextvars.ContextVar = contextvars.ContextVar("shardplan_inside_stack", default=False)
+_DIFF: contextvars.ContextVar = contextvars.ContextVar("shardplan_differentiating", default=None)
 
 # Frames of these packages stand between a model's line and the loop it runs (nn.scan, nnx.scan).
 _LIBRARY = ("jax", "jaxlib", "flax", "contextlib", "functools")
@@ -74,6 +75,26 @@ def inside():
         _INSIDE.reset(token)
 
 
+@contextlib.contextmanager
+def differentiating():
+    """Within this context a function about to be differentiated is traced on its own
+    (:mod:`shardplan.unrolled`): its loops are differentiated ones, and every layer stack it
+    runs (recognised, or marked with ``layer_scan``/``layer_remat``) is noted in the list it yields."""
+    marked: list = []
+    token = _DIFF.set(marked)
+    try:
+        yield marked
+    finally:
+        _DIFF.reset(token)
+
+
+def note(where: str) -> None:
+    """Note the layer stack at ``where`` for the :func:`differentiating` trace on, if any."""
+    marked = _DIFF.get()
+    if marked is not None:
+        marked.append(where)
+
+
 def looking() -> bool:
     """Whether a loop called now is one a step being traced runs at its stack level."""
     return _STEP_SHAPES.get() is not None and not _INSIDE.get()
@@ -81,8 +102,12 @@ def looking() -> bool:
 
 def differentiated() -> bool:
     """Whether the code running now is differentiated (a ``jax.grad``/``jax.vjp`` trace is
-    among the current traces): a loop outside one (a gradient-accumulation loop around
-    ``jax.grad``, an optimizer's) keeps no residuals to recompute and is no layer stack."""
+    among the current traces, or a function about to be differentiated is traced on its own,
+    :func:`differentiating`):
+    a loop outside one (a gradient-accumulation loop around ``jax.grad``, an optimizer's) keeps
+    no residuals to recompute and is no layer stack."""
+    if _DIFF.get() is not None:
+        return True
     trace = _core.trace_ctx.trace
     while trace is not None:
         if isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace)):
@@ -117,6 +142,7 @@ def classify_scan(f, init, xs, length, reverse: bool = False) -> Found | None:
     stacked = [x for x in leaves if _floating(x) and x.ndim >= 2 and x.shape[0] == n and tuple(x.shape) in shapes]
     if n is None or n < 2 or not stacked:
         return None
+    note(user_frame())
     return Found(user_frame(), int(n))
 
 
@@ -131,6 +157,7 @@ def classify_fori(lower, upper, init) -> Found | None:
         return None                   # dynamic bounds: a while loop, not differentiable in reverse anyway
     if n < 2 or not any(_floating(x) and x.ndim >= 2 for x in jax.tree.leaves(init)):
         return None
+    note(user_frame())
     return Found(user_frame(), n, "a jax.lax.fori_loop reads each layer's weights by its index inside the body; a "
                                   "pipeline splits a jax.lax.scan over the stacked weights (jax.lax.scan(layer, x, "
                                   "stacked)), which gives each stage its layers")
@@ -196,17 +223,22 @@ def _reads_any(jaxpr, first: int, outvars) -> bool:
 
 
 class _Patch:
-    """``jax.lax.scan`` and ``jax.lax.fori_loop`` replaced by routers while any thread traces a
-    step (counted, so nested and concurrent traces share one patch)."""
+    """Names in ``jax`` (``jax.lax.scan``, ``jax.lax.fori_loop``, ``jax.grad``, ...) replaced by
+    routers while any thread traces a step (counted, so nested and concurrent traces share one
+    patch)."""
 
     def __init__(self):
-        self.lock, self.users = threading.Lock(), 0
+        self.lock, self.users, self.saved = threading.Lock(), 0, {}
 
     @contextlib.contextmanager
-    def installed(self, scan, fori_loop):
+    def installed(self, routers: dict):
+        """``routers``: ``{"lax.scan": fn, "grad": fn, ...}``, names under ``jax``."""
         with self.lock:
             if self.users == 0:
-                jax.lax.scan, jax.lax.fori_loop = scan, fori_loop
+                for name, fn in routers.items():
+                    owner, attr = _owner(name)
+                    self.saved[name] = getattr(owner, attr)
+                    setattr(owner, attr, fn)
             self.users += 1
         try:
             yield
@@ -214,7 +246,18 @@ class _Patch:
             with self.lock:
                 self.users -= 1
                 if self.users == 0:
-                    jax.lax.scan, jax.lax.fori_loop = ORIGINAL_SCAN, ORIGINAL_FORI
+                    for name, fn in self.saved.items():
+                        owner, attr = _owner(name)
+                        setattr(owner, attr, fn)
+                    self.saved.clear()
+
+
+def _owner(name: str):
+    *path, attr = name.split(".")
+    owner = jax
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
 
 
 PATCH = _Patch()

@@ -33,7 +33,7 @@ TARGETS = ("auto", "cpu", "gpu", "tpu")
 # clock, compute capability. Memory size and bandwidth come from the preset (``usable_bytes``,
 # ``hbm_bandwidth``). The H200's were checked against a lent H200's device properties (2026-12-04,
 # ``benchmarks/device_check.py``): its L2 is 60 MiB, not the H100's 50; the rest as listed.
-_GPU_FAMILIES = {
+GPU_FAMILIES = {
     "h100": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
                  l2_cache_size=52428800, clock_rate_ghz=1.98, major=9, minor=0,
                  description="NVIDIA H100 80GB HBM3"),
@@ -69,7 +69,7 @@ HBM_ONLY_OPTIONS = {"tpu": {"xla_vf_vmem_memory_space_assignment": False}}
 
 def gpu_family(spec: MeshSpec) -> str | None:
     name = spec.device.name.lower()
-    return next((f for f in _GPU_FAMILIES if f in name), None)
+    return next((f for f in GPU_FAMILIES if f in name), None)
 
 
 def gpu_target_config(spec: MeshSpec) -> str:
@@ -77,8 +77,8 @@ def gpu_target_config(spec: MeshSpec) -> str:
     family = gpu_family(spec)
     if family is None:
         raise ShardplanError(f"no GPU target config for device {spec.device.name!r}: the GPU targets are "
-                             f"{', '.join(_GPU_FAMILIES)}")
-    f = _GPU_FAMILIES[family]
+                             f"{', '.join(GPU_FAMILIES)}")
+    f = GPU_FAMILIES[family]
     memory = spec.device.usable_bytes or spec.device.hbm_bytes
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
@@ -179,7 +179,7 @@ def target_mesh(spec: MeshSpec, target: str):
         if spec.num_devices % per_node:
             raise ShardplanError(f"{spec.name}: {spec.num_devices} devices do not fill nodes of {per_node}")
         topo = _topology("cuda", gpu_target_config(spec), f"1x{spec.num_devices // per_node}x{per_node}")
-        compiler = f"XLA GPU (deviceless, {_GPU_FAMILIES[gpu_family(spec)]['description']})"
+        compiler = f"XLA GPU (deviceless, {GPU_FAMILIES[gpu_family(spec)]['description']})"
     elif target == "tpu":
         name = tpu_topology(spec)
         # A TPU preset's node is a slice (meshes/README.md).

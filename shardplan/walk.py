@@ -154,14 +154,17 @@ class _Walker:
                 continue
             if inlined:
                 body, _ = sub_jaxpr(eqn)
+                region = g.current_region
                 if prim in ("checkpoint", "remat", "remat2") and eqn.params.get("differentiated") \
                         and eqn.params.get("prevent_cse", True):
                     g.barriered.update(t for t in ins if t is not None)
+                    g._regions += 1
+                    g.current_region = g._regions
                 outer, g.call_source = g.call_source, source_of(eqn, g.call_source)
                 g.prefix = body_prefix(here, eqn)
                 for v, t in zip(eqn.outvars, self.walk(body, ins, mult, level, inline=True)):
                     env[v] = t
-                g.call_source, g.prefix = outer, prefix
+                g.call_source, g.prefix, g.current_region = outer, prefix, region
                 continue
             if prim in ("scan", "while", "cond"):
                 self.loops += 1

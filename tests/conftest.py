@@ -8,3 +8,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "SHARDPLAN_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["SHARDPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardplan-test-cache-")
+
+
+# -- test tiers (markers registered in pyproject.toml) -------------------------------------------
+# Files of unit tests: rules, cost formulas, solver pieces, plan files, error paths. Their tests
+# that plan a model end to end or compile one carry @pytest.mark.slow; every test of the other
+# files plans or compiles models (parity, user steps, families, targets, benchmarks) and is slow.
+FAST_FILES = frozenset(f"test_{name}.py" for name in """
+    api audit checkpoint cli constraints context cost einsum_attention exact footprint graph hardware hlo layout
+    liveness loop_ties manual mesh moe_sort offload plan_files planner recompute relayout rewrites sizes solver
+    splitk tpu_bf16_pass traffic unrolled weak_scaling xla_bugs layering""".split())
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    for item in items:
+        if item.path.name not in FAST_FILES and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
+        if any("[aot]" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.compile)
+        if item.path.name == "test_multihost.py":
+            item.add_marker(pytest.mark.multihost)

@@ -7,7 +7,10 @@ inside the model.
   dropout keys split per layer), in a flax ``TrainState`` holding its dropout key;
 * ``nnx_scan_dropout``: an NNX model whose blocks are built by ``nnx.vmap`` and run by
   ``nnx.scan``, with dropout drawn from ``nnx.Rngs``, split and merged in the step;
-* ``fori_stack``: stacked weights read by index in a ``jax.lax.fori_loop`` over the layers.
+* ``fori_stack``: stacked weights read by index in a ``jax.lax.fori_loop`` over the layers;
+* ``jax_unrolled_gpt``, ``linen_unrolled_dropout``, ``nnx_unrolled_dropout``: the same models
+  with their layers unrolled in Python (``for block in blocks: h = block(h)``), each layer's
+  weights its own arrays.
 
 Each builder returns a :class:`user_steps.UserStep` (batch leading dimension divisible by 8).
 """
@@ -58,14 +61,19 @@ def _block(h, w, heads=HEADS):
     return h + jax.nn.gelu(_norm(h, w["scale"]) @ w["up"]) @ w["down"], None
 
 
-def gpt_step(heads=HEADS, optimizer=None):
+def gpt_step(heads=HEADS, optimizer=None, unrolled=False):
     """A pure-JAX GPT train step ``step((params, opt_state), tokens)``: its layers a
-    ``jax.lax.scan`` over the stacked weights, causal einsum attention, AdamW by default."""
+    ``jax.lax.scan`` over the stacked weights (``unrolled``: a Python loop over a list of
+    per-layer weights), causal einsum attention, AdamW by default."""
     opt = optimizer or optax.adamw(1e-2)
 
     def loss_fn(params, tokens):
         h = params["embed"][tokens[:, :-1]]
-        h, _ = jax.lax.scan(functools.partial(_block, heads=heads), h, params["layers"])
+        if unrolled:
+            for w in params["layers"]:
+                h, _ = _block(h, w, heads)
+        else:
+            h, _ = jax.lax.scan(functools.partial(_block, heads=heads), h, params["layers"])
         logits = (h @ params["embed"].T).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -121,10 +129,12 @@ class KeyedState(train_state.TrainState):
 _LINEN, _LINEN_TX = LinenScanLM(), optax.sgd(0.1)      # one of each: the state's static fields compare equal
 
 
-def linen_scan_dropout(batch_size: int = 16) -> UserStep:
-    tokens = _tokens(2, batch_size)
-    params = _LINEN.init(jax.random.key(0), tokens[:, :-1])["params"]
-    state = KeyedState.create(apply_fn=_LINEN.apply, params=params, tx=_LINEN_TX, key=jax.random.key(7))
+def _linen_step(name: str, model: nn.Module, seed: int, batch_size: int) -> UserStep:
+    """``model``'s train step as Linen users write it: a ``TrainState`` holding its dropout key,
+    folded with the step count, ``jax.value_and_grad``, ``apply_gradients``."""
+    tokens = _tokens(seed, batch_size)
+    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    state = KeyedState.create(apply_fn=model.apply, params=params, tx=_LINEN_TX, key=jax.random.key(seed + 5))
 
     def step(state, tokens):
         key = jax.random.fold_in(state.key, state.step)
@@ -135,7 +145,11 @@ def linen_scan_dropout(batch_size: int = 16) -> UserStep:
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    return UserStep("linen_scan_dropout", step, (state, tokens), jit={"donate_argnums": 0}, check_params=True)
+    return UserStep(name, step, (state, tokens), jit={"donate_argnums": 0}, check_params=True)
+
+
+def linen_scan_dropout(batch_size: int = 16) -> UserStep:
+    return _linen_step("linen_scan_dropout", _LINEN, 2, batch_size)
 
 
 # -- 3. NNX: nnx.vmap builds the stack, nnx.scan runs it, dropout from nnx.Rngs ---------------
@@ -169,8 +183,9 @@ class NNXScanLM(nnx.Module):
         return self.embed.attend(run(h, self.blocks))
 
 
-def nnx_scan_dropout(batch_size: int = 16) -> UserStep:
-    model = NNXScanLM(nnx.Rngs(0, dropout=1))
+def _nnx_step(name: str, model: nnx.Module, seed: int, batch_size: int) -> UserStep:
+    """``model``'s train step as NNX users write it: merged from its state, ``nnx.value_and_grad``,
+    split again (the rest: its advanced RNG counts), SGD."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt = optax.sgd(0.1)
 
@@ -182,12 +197,16 @@ def nnx_scan_dropout(batch_size: int = 16) -> UserStep:
             logits = model(tokens[:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        _, params, rest = nnx.split(model, nnx.Param, ...)        # rest: the advanced RNG counts
+        _, params, rest = nnx.split(model, nnx.Param, ...)
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), rest, opt_state), {"loss": loss}
 
-    return UserStep("nnx_scan_dropout", step, ((params, rest, opt.init(params)), _tokens(3, batch_size)),
+    return UserStep(name, step, ((params, rest, opt.init(params)), _tokens(seed, batch_size)),
                     jit={"donate_argnums": 0}, params_of=lambda s: s[0], check_params=True)
+
+
+def nnx_scan_dropout(batch_size: int = 16) -> UserStep:
+    return _nnx_step("nnx_scan_dropout", NNXScanLM(nnx.Rngs(0, dropout=1)), 3, batch_size)
 
 
 # -- 4. jax.lax.fori_loop over stacked weights --------------------------------------------------
@@ -212,7 +231,65 @@ def fori_stack(batch_size: int = 16) -> UserStep:
                     jit={"donate_argnums": 0}, params_of=lambda s: s[0], check_params=True)
 
 
-BUILDERS = {f.__name__: f for f in (jax_scan_gpt, linen_scan_dropout, nnx_scan_dropout, fori_stack)}
+# -- 5. unrolled layers: a Python loop over per-layer weights ------------------------------------
+
+def unrolled_params(key, layers=LAYERS, **kw):
+    stacked = gpt_params(key, layers=layers, **kw)
+    return {"embed": stacked["embed"],
+            "layers": [jax.tree.map(lambda a, i=i: a[i], stacked["layers"]) for i in range(layers)]}
+
+
+def abstract_unrolled_gpt(layers, width, heads, seq, vocab, batch, dtype=jnp.bfloat16):
+    """:func:`abstract_gpt` with its layers unrolled."""
+    step, opt = gpt_step(heads, unrolled=True)
+    params = jax.eval_shape(functools.partial(unrolled_params, layers=layers, width=width, vocab=vocab, dtype=dtype),
+                            jax.random.key(0))
+    state = (params, jax.eval_shape(opt.init, params))
+    return step, (state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32))
+
+
+def jax_unrolled_gpt(batch_size: int = 16) -> UserStep:
+    step, opt = gpt_step(unrolled=True)
+    params = unrolled_params(jax.random.key(5))
+    return UserStep("jax_unrolled_gpt", step, ((params, opt.init(params)), _tokens(5, batch_size)),
+                    jit={"donate_argnums": 0}, params_of=lambda s: s[0])
+
+
+class LinenUnrolledLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(VOCAB, WIDTH)
+        h = embed(tokens)
+        for _ in range(LAYERS):
+            h, _ = LinenBlock()(h, None)
+        return embed.attend(nn.LayerNorm()(h))
+
+
+_LINEN_UNROLLED = LinenUnrolledLM()
+
+
+def linen_unrolled_dropout(batch_size: int = 16) -> UserStep:
+    return _linen_step("linen_unrolled_dropout", _LINEN_UNROLLED, 6, batch_size)
+
+
+class NNXUnrolledLM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(LAYERS)])
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.embed.attend(h)
+
+
+def nnx_unrolled_dropout(batch_size: int = 16) -> UserStep:
+    return _nnx_step("nnx_unrolled_dropout", NNXUnrolledLM(nnx.Rngs(0, dropout=1)), 7, batch_size)
+
+
+BUILDERS = {f.__name__: f for f in (jax_scan_gpt, linen_scan_dropout, nnx_scan_dropout, fori_stack,
+                                     jax_unrolled_gpt, linen_unrolled_dropout, nnx_unrolled_dropout)}
 
 
 def build(name: str) -> UserStep:

@@ -7,10 +7,11 @@ import pytest
 
 import shardplan
 from shardplan import targets
-from shardplan.models.train import reference
 from shardplan.cli import main
+from shardplan.models.train import reference
 
 
+@pytest.mark.slow
 def test_a_gather_made_on_the_tables_split_takes_its_indices_as_that_result_needs_them():
     """Under a 2 MiB budget gpt-tiny's plan looks its tokens up in a table split on its columns
     over ``data``, the result made there and then moved: the token ids must come to that result's
@@ -73,6 +74,7 @@ def test_audit_command(capsys):
     assert "audit against the compiled program" in out and "all collectives" in out     # gradient, once
 
 
+@pytest.mark.slow
 def test_audit_command_audits_a_pipeline(capsys):
     """``--pipeline N`` audits the plan with its layer scan run as an N-stage pipeline: the stage
     axis's collectives are in the table, held against the compiled program."""
@@ -108,6 +110,7 @@ def test_gathers_scatters_and_broadcast_operands_are_priced_as_compiled():
     assert bool(set(f.plan.operand_pins) - scatter_pins) == any(bias.spec)
 
 
+@pytest.mark.slow
 def test_cpu_compile_of_a_bf16_model_is_named_not_comparable():
     ref = reference("gpt-tiny", scan=True, dtype="bfloat16")
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)

@@ -24,6 +24,7 @@ def _small_state():
     return {"w": w, "b": jnp.ones(8), "step": 3, "none": None, "table": np.arange(3, dtype=np.int32)}
 
 
+@pytest.mark.slow
 def test_save_on_2x4_restore_on_4x2_under_another_plan_continues_the_run(tmp_path):
     ref = reference("gpt-tiny", scan=True)
     key = jax.random.key(0)

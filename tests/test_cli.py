@@ -37,14 +37,16 @@ BAD_FILES = {
     "zero_nodes.toml": (GOOD.replace("nodes = 1", "nodes = 0"), r"\[topology.nodes\] must be a positive"),
     "axis_name.toml": (GOOD.replace('name = "model"', 'name = "mo del"'), r"must be an identifier"),
     "hbm_string.toml": (GOOD.replace("hbm_bytes = 85899345920", 'hbm_bytes = "80GiB"'), r"\[device.hbm_bytes\]"),
-    "heap_overhead.toml": (GOOD.replace("heap_overhead = 0.1", "heap_overhead = 1.5"), r"\[device.heap_overhead\] must be a fraction"),
+    "heap_overhead.toml": (GOOD.replace("heap_overhead = 0.1", "heap_overhead = 1.5"),
+                           r"\[device.heap_overhead\] must be a fraction"),
     "nan.toml": (GOOD.replace("hbm_bandwidth = 3350000000000.0", "hbm_bandwidth = nan"),
                  r"\[device.hbm_bandwidth\] must be a positive number, got nan"),
     "three.toml": (GOOD.replace("hbm_bytes = 85899345920", "hbm_bytes = 0").replace("nodes = 1", "nodes = -1")
                    .replace('name = "model"', 'name = "mo del"'),
                    r"\[device.hbm_bytes\] must be a positive", r"\[topology.nodes\] must be a positive",
                    r"\[axes\[1\].name\] axis name must be an identifier"),
-    "empty.toml": ("", *(rf"\[{k}\] missing section or key '{k}'" for k in ("name", "device", "links", "topology", "axes"))),
+    "empty.toml": ("", *(rf"\[{k}\] missing section or key '{k}'"
+                         for k in ("name", "device", "links", "topology", "axes"))),
 }
 
 
@@ -108,7 +110,8 @@ def test_mesh_validate_prints_every_problem_in_a_process(tmp_path):
                        stdin=subprocess.DEVNULL)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 3 and "Traceback" not in r.stderr, r.stderr
-    assert all(line.startswith("shardplan: error: three.toml: [") and re.search(m, line) for line, m in zip(lines, matches))
+    assert all(line.startswith("shardplan: error: three.toml: [") and re.search(m, line)
+               for line, m in zip(lines, matches))
     assert os.listdir(tmp_path) == ["three.toml"]
 
 
@@ -192,6 +195,7 @@ def test_fuzzed_mesh_files_raise_only_config_errors():
 def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
     import jax
     import jax.numpy as jnp
+
     import shardplan
     out = tmp_path / "cal.toml"
     assert main(["mesh", "calibrate", "--quick", "--axes", "data=2,model=4", "--name", "cal", "--out", str(out)]) == 0
@@ -225,11 +229,12 @@ def test_fit_ring_recovers_bandwidth_and_latency():
 
 
 def test_remat_choices_are_the_models_policies():
-    from shardplan.models.layers import REMAT_POLICIES
     from shardplan.cli import REMAT_CHOICES
+    from shardplan.models.layers import REMAT_POLICIES
     assert set(REMAT_CHOICES) == set(REMAT_POLICIES)
 
 
+@pytest.mark.slow
 def test_plan_command_with_remat_plans_less_memory(capsys):
     peaks = {}
     for remat in ("none", "full"):
@@ -266,28 +271,36 @@ AUDIT = ["audit", "--model", "gpt-tiny", "--mesh", "cpu-8", "--axes", "data=2,mo
 
 # name: (arguments, files to make first, what the one line must say)
 BAD_FLAGS = {
-    "plan-time-limit-negative": ([*PLAN, "--time-limit", "-1"], (), r"argument --time-limit: '-1' is not a positive number"),
+    "plan-time-limit-negative": ([*PLAN, "--time-limit", "-1"], (),
+                                 r"argument --time-limit: '-1' is not a positive number"),
     "plan-time-limit-zero": ([*PLAN, "--time-limit", "0"], (), r"argument --time-limit: '0' is not a positive"),
     "plan-time-limit-nan": ([*PLAN, "--time-limit", "nan"], (), r"argument --time-limit: 'nan' is not a positive"),
-    "audit-time-limit-negative": ([*AUDIT, "--time-limit", "-1"], (), r"argument --time-limit: '-1'.*e\.g\. --time-limit 30"),
-    "plan-batch-negative": ([*PLAN, "--batch", "-4"], (), r"argument --batch: '-4' is not a positive integer; give e\.g\. --batch 16"),
+    "audit-time-limit-negative": ([*AUDIT, "--time-limit", "-1"], (),
+                                  r"argument --time-limit: '-1'.*e\.g\. --time-limit 30"),
+    "plan-batch-negative": ([*PLAN, "--batch", "-4"], (),
+                            r"argument --batch: '-4' is not a positive integer; give e\.g\. --batch 16"),
     "plan-batch-zero": ([*PLAN, "--batch", "0"], (), r"argument --batch: '0' is not a positive integer"),
     "audit-batch-zero": ([*AUDIT, "--batch", "0"], (), r"argument --batch: '0' is not a positive integer"),
-    "plan-budget-nan": ([*PLAN, "--memory-budget", "nan"], (), r"argument --memory-budget: 'nan' is not a number of bytes; "
-                                                                r"give a positive size such as 60e9"),
-    "plan-budget-inf": ([*PLAN, "--memory-budget", "inf"], (), r"argument --memory-budget: 'inf' is not a finite number"),
-    "plan-budget-negative": ([*PLAN, "--memory-budget=-4GiB"], (), r"argument --memory-budget: '-4GiB' is not a positive"),
+    "plan-budget-nan": ([*PLAN, "--memory-budget", "nan"], (),
+                        r"argument --memory-budget: 'nan' is not a number of bytes; "
+                        r"give a positive size such as 60e9"),
+    "plan-budget-inf": ([*PLAN, "--memory-budget", "inf"], (),
+                        r"argument --memory-budget: 'inf' is not a finite number"),
+    "plan-budget-negative": ([*PLAN, "--memory-budget=-4GiB"], (),
+                             r"argument --memory-budget: '-4GiB' is not a positive"),
     "plan-budget-zero": ([*PLAN, "--memory-budget", "0"], (), r"argument --memory-budget: '0' is not a positive"),
     "audit-budget-nan": ([*AUDIT, "--memory-budget", "nan"], (), r"argument --memory-budget: 'nan' is not a number"),
     "json-no-folder": ([*PLAN, "--json", "missing/out.json"], (), r"argument --json: the folder of missing/out\.json, "
                                                                     r"\S+missing, does not exist; create it"),
-    "json-folder-is-a-file": ([*PLAN, "--json", "afile/out.json"], ("afile",), r"argument --json: .*afile, is not a folder"),
+    "json-folder-is-a-file": ([*PLAN, "--json", "afile/out.json"], ("afile",),
+                              r"argument --json: .*afile, is not a folder"),
     "json-is-a-folder": ([*PLAN, "--json", "."], (), r"argument --json: \. is a folder; give a file path"),
     "pipeline-zero": ([*PLAN, "--pipeline", "0"], (), r"argument --pipeline: '0' is not a pipeline setting; give "
                                                        r"auto, off or a number of stages"),
 }
 if os.geteuid() != 0:          # root writes anywhere
-    BAD_FLAGS["json-not-writable"] = ([*PLAN, "--json", "ro/out.json"], ("ro/",), r"argument --json: .*ro, is not writable")
+    BAD_FLAGS["json-not-writable"] = ([*PLAN, "--json", "ro/out.json"], ("ro/",),
+                                      r"argument --json: .*ro, is not writable")
 if os.path.isdir("/proc"):      # no one creates files there, root included, whatever access() says
     BAD_FLAGS["json-in-proc"] = ([*PLAN, "--json", "/proc/out.json"], (), r"argument --json: .*/proc, is not writable")
 
@@ -336,7 +349,9 @@ def bad_flag_processes(tmp_path_factory):
         return dict(zip(names, pool.map(run, names)))
 
 
-@pytest.mark.parametrize("name", ["plan-time-limit-negative", "plan-batch-negative", "audit-budget-nan", "json-no-folder"])
+@pytest.mark.parametrize("name", ["plan-time-limit-negative", "plan-batch-negative", "audit-budget-nan",
+                                  "json-no-folder"])
+@pytest.mark.slow
 def test_bad_flag_values_in_a_process(name, bad_flag_processes):
     r, before, after = bad_flag_processes[name]
     lines = r.stderr.strip().splitlines()
@@ -402,6 +417,7 @@ def test_a_ctrl_c_in_a_garbage_collector_callback_is_raised_once_out_of_it():
     a weakref callback, a __del__) is printed and dropped ("Exception ignored in"), and the command
     ran on for 38 s of planning. Dropped, it is signalled again, and lands outside the callback."""
     import gc
+
     from shardplan.cli import _interruptible
     ran = []
 
@@ -514,6 +530,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_solve_exits_130_and_writes_nothing(tmp_path):
     rc, lines = _interrupt([sys.executable, "-c", ANNOUNCE_SOLVE, "plan", "--model", "gpt-tiny", "--mesh", "h100-8",
                             "--memory-budget", "10MiB", "--time-limit", "2", "--json", "out.json"],
@@ -534,6 +551,7 @@ def test_plan_command_pipelines_the_reference_model(capsys):
     assert err[-1].startswith("shardplan: error: 2 layers do not split into 4 stages"), err
 
 
+@pytest.mark.slow
 def test_plan_command_searches_recomputation_by_default_where_the_step_does_not_fit(capsys):
     """No --remat: the reference model as written, and where that does not fit the budget, the
     recomputation the planner chooses (tests/test_defaults.py lists the families of a budget

@@ -98,7 +98,8 @@ CASES = [(*case, BLOCKS[i % len(BLOCKS)]) for i, case in enumerate(CASES)]
 
 
 @pytest.mark.parametrize("name,mesh_name,causal,kv_heads,block_size", CASES,
-                         ids=["-".join(map(str, c[:4])) + "-block" + "x".join(map(str, np.atleast_1d(c[4]))) for c in CASES])
+                         ids=["-".join(map(str, c[:4])) + "-block" + "x".join(map(str, np.atleast_1d(c[4])))
+                              for c in CASES])
 def test_sharded_attention_equals_plain_attention_and_its_collectives_are_predicted(name, mesh_name, causal,
                                                                                         kv_heads, block_size):
     q, k, v, dout = _inputs(kv_heads)
@@ -139,6 +140,7 @@ def test_ring_attention_under_checkpoint(policy):
     _close(got, _forward_backward(lambda q, k, v: reference(q, k, v, True))(q, k, v, dout), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_ring_attention_in_a_scan_over_layers():
     q, _, _, dout = _inputs(H)
     weights = 0.3 * jax.random.normal(jax.random.key(1), (2, 3, D, D))     # two layers: wq, wk, wv each

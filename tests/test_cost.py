@@ -111,6 +111,7 @@ def test_reshard_is_what_xla_compiles(src, dst):
     assert predicted == compiled
 
 
+@pytest.mark.slow
 def test_no_reshard_step_makes_xla_replicate_first():
     """Pairs of rank-2 specs on a (2, 2, 2) mesh and of rank-3 specs on (2, 4), emitted through
     :func:`reshard_steps`: the SPMD partitioner never falls back to replicating the array

@@ -28,6 +28,7 @@ def _enumerator(model, scan, batch=16, axes=AXES):
     return Enumerator(graph, CostModel(shardplan.load_mesh("cpu-8", axes=axes)))
 
 
+@pytest.mark.slow
 def test_tables_priced_for_some_options_are_the_full_tables_cells():
     enum = _enumerator("llama-tiny", scan=True)
     full = enum.build()
@@ -87,6 +88,7 @@ def test_the_planner_searches_three_axis_meshes_by_axes_and_prices_what_it_chose
     assert p.cost.step_s <= two.cost.step_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_memory_priced_into_the_exact_solve_finds_a_plan_within_the_budget():
     """:func:`lagrangian_start`, CP-SAT's start under a budget: within it, near CP-SAT's optimum."""
     from shardplan.exact import lagrangian_start
@@ -145,6 +147,7 @@ def _moe_step():
     return step, p, x, jnp.sin(x)
 
 
+@pytest.mark.slow
 def test_a_densely_paired_step_on_two_axes_is_solved_exactly(monkeypatch):
     """Eliminating the least table first grows one table past the limit on this step; the least
     fill first does not, so a two-axis mesh is still solved exactly (the search by mesh axes it
@@ -155,7 +158,8 @@ def test_a_densely_paired_step_on_two_axes_is_solved_exactly(monkeypatch):
     plan = shardplan.plan(step, p, x, t, mesh=mesh, cache=False, time_limit=5)
     assert plan.solver.status == "OPTIMAL", plan.solver
     greedy = exact._greedy_order
-    monkeypatch.setattr(exact, "_greedy_order", lambda problem, cap, fill: None if fill else greedy(problem, cap, fill=False))
+    monkeypatch.setattr(exact, "_greedy_order",
+                        lambda problem, cap, fill: None if fill else greedy(problem, cap, fill=False))
     searched = shardplan.plan(step, p, x, t, mesh=mesh, cache=False, time_limit=5)
     assert searched.solver.status == "LOCAL_OPTIMUM"
     assert plan.solver.objective < searched.solver.objective

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardplan import footprint, targets
 from shardplan.fit import compile_oom_bytes
@@ -78,6 +79,7 @@ def _sum(compiled) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
+@pytest.mark.slow
 @needs_tpu
 def test_libtpu_holds_the_heap_against_hbm_not_the_memory_analysis_sum():
     # 10 and 11 layers of 256 MiB compile; 12 do not. The 11-layer program's memory_analysis
@@ -91,6 +93,7 @@ def test_libtpu_holds_the_heap_against_hbm_not_the_memory_analysis_sum():
     assert _sum(eleven) + (_sum(eleven) - _sum(ten)) > 1.1 * required
 
 
+@pytest.mark.slow
 @needs_tpu
 def test_libtpu_holds_the_heap_against_hbm_not_the_live_peak():
     # A small model's step at a large batch: small buffers fragment libtpu's heap, so its

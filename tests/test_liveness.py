@@ -53,6 +53,7 @@ def test_exp_read_twice_is_stored_unless_the_gpu_recomputes_it(dtype, compiler, 
     assert (((N, N), dtype, "exp") in live) == stored, live
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not targets.available("gpu"), reason="needs the GPU compiler: pip install 'shardplan[aot]'")
 def test_recomputed_softmax_memory_against_the_gpu_compiler():
     # Attention saved by dots_all: the backward pass recomputes the softmax's exp, which the GPU
@@ -106,7 +107,9 @@ def test_the_gpu_compiler_keeps_a_narrowing_convert_out_of_the_gemm():
     """What the two tests above model, on XLA's GPU compiler: a float32 softmax converted to
     bfloat16 for a matmul is stored as bfloat16; a bfloat16 operand widened for a float32 matmul
     is read by the GEMM unconverted."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from shardplan import footprint
     mesh = targets.target_mesh(shardplan.load_mesh("h200-8"), "gpu")[0]
 

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardplan
+from shardplan import targets
 from shardplan.context import ring_attention
 from shardplan.hlo import collectives
-from shardplan import targets
 from shardplan.manual import body_costs, body_peak
 from shardplan.mesh import make_jax_mesh
 
@@ -45,6 +45,7 @@ def _step(mesh, scanned):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scanned", [False, True])
 def test_a_step_with_ring_attention_is_planned_around_it_and_trains_like_jit(scanned):
     mesh = make_jax_mesh(("data", "seq"), (2, 4))

@@ -6,8 +6,9 @@ per-expert capacity buffers ``[experts, capacity, d]`` at their position within 
 gathered back to token order and weighted over k.
 
 The buffers are written two ways: ``.at[].set`` (a ``scatter``) and ``.at[].add`` with the
-unsort as a gather through ``argsort(order)`` (``scatter-add`` and ``gather``). ``groups`` sorts per group of tokens (GShard's groups, a ``vmap`` of the dispatch)
-instead of once over the whole batch.
+unsort as a gather through ``argsort(order)`` (``scatter-add`` and ``gather``). ``groups`` sorts
+per group of tokens (GShard's groups, a ``vmap`` of the dispatch) instead of once over the whole
+batch.
 
 Planned on 8 fake CPU devices, AdamW steps in a loop with donation match the plain unsharded
 ``jax.jit`` step, the expert weights are split over a mesh axis, and the compiled program's
@@ -166,6 +167,7 @@ def _reference_losses(write, groups):
     return losses
 
 
+@pytest.mark.slow
 def test_sort_dispatch_is_the_per_token_mixture():
     """Dropless capacity (every expert can take every assignment): the layer is each token through
     its top-k experts, weighted; with half the mean load as capacity, what is dropped is exactly
@@ -207,6 +209,7 @@ CASES = [("data2-expert4", "set", None), ("data8", "set", None),
 
 @pytest.mark.parametrize("mesh, write, groups", CASES,
                          ids=[f"{m}-{w}" + (f"-groups{g}" if g else "") for m, w, g in CASES])
+@pytest.mark.slow
 def test_planned_sort_moe_matches_the_plain_step(mesh, write, groups, capfd):
     step, fresh_state, batch = _build(write, groups)
     planned = shardplan.auto(step, mesh=shardplan.load_mesh("cpu-8", axes=MESHES[mesh]), time_limit=TIME_LIMIT,
@@ -229,9 +232,9 @@ def test_planned_sort_moe_matches_the_plain_step(mesh, write, groups, capfd):
 def test_compiled_collectives_are_the_predicted_ones(mesh, write):
     """The audit: the compiled program's collective bytes per kind are the predicted ones (within
     1%: the loss's mean adds a few bytes of all-reduce; the router's top_k gathers its whole
-    operand on the CPU and GPU compilers, as priced). The global sort needs every token on every device, so the tokens are
-    all-gathered over the batch's axis and the expert outputs over the experts' axis: no
-    all-to-all, predicted or compiled."""
+    operand on the CPU and GPU compilers, as priced). The global sort needs every token on every
+    device, so the tokens are all-gathered over the batch's axis and the expert outputs over the
+    experts' axis: no all-to-all, predicted or compiled."""
     step, fresh_state, batch = _build(write)
     f = shardplan.auto(step, mesh=shardplan.load_mesh("cpu-8", axes=MESHES[mesh]), time_limit=TIME_LIMIT,
                        donate_argnums=(0,), cache=False)

@@ -84,6 +84,7 @@ def _runs_like_jit(f, step, state, batch, steps=3):
 
 # -- the user's own offloading checkpoint ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_users_offloading_checkpoint_is_planned_around_and_runs_like_jit():
     state, batch = _concrete()
     offloaded = _step(jax.checkpoint(_block, policy=OFFLOAD), jax.checkpoint(_block, policy=OFFLOAD))
@@ -197,6 +198,7 @@ def _with_host_link(bandwidth: float):
     return dataclasses.replace(spec, device=dataclasses.replace(spec.device, offload_bandwidth=bandwidth))
 
 
+@pytest.mark.slow
 def test_auto_offloads_the_wide_class_where_the_host_link_beats_recomputing():
     """Layers of width 8192 / 32768 in bf16 on an H100, 3 GiB a device: neither "none" nor "dots"
     fits. Every host copy shows in the step (measured so on an H200), so over PCIe (50 GB/s) the
@@ -217,7 +219,8 @@ def test_auto_offloads_the_wide_class_where_the_host_link_beats_recomputing():
     for auto in (pcie, c2c):
         assert auto.cost.memory_bytes <= shardplan.parse_bytes("3GiB")
     assert c2c.cost.step_s == pytest.approx(c2c.cost.compute_s + c2c.cost.comm_s + c2c.cost.offload_s)
-    offload = shardplan.plan(step, state, batch, mesh=_with_host_link(50e9), remat="offload", memory_budget="3GiB", **KW)
+    offload = shardplan.plan(step, state, batch, mesh=_with_host_link(50e9),
+                             remat="offload", memory_budget="3GiB", **KW)
     fast = shardplan.plan(step, state, batch, mesh=_with_host_link(450e9), remat="offload", memory_budget="3GiB", **KW)
     # The same residuals over a link 9x slower: 9x the seconds, all of them in the step.
     assert offload.cost.offload_bytes == pytest.approx(fast.cost.offload_bytes) and fast.cost.offload_s > 0
@@ -236,6 +239,7 @@ def _one_class(state):
     return params, TX.init(params)
 
 
+@pytest.mark.slow
 def test_in_a_pipeline_dots_and_offload_keep_the_projections():
     """A pipeline runs its stages under a vmap, which gives every matmul a batch dimension: the
     policies that keep "matmuls without batch dimensions" kept none and recomputed like "full".

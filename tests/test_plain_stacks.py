@@ -1,7 +1,8 @@
 """Layer stacks written as plain loops (tests/scan_steps.py: jax.lax.scan, Linen nn.scan, NNX
-nnx.scan over an nnx.vmap stack, jax.lax.fori_loop; no shardplan call in the model) are
-recognised as layer classes and pipeline stacks: planned with a pipeline and with each
-recomputation policy, run in a loop of donated calls, they compute what the step computes."""
+nnx.scan over an nnx.vmap stack, jax.lax.fori_loop, and layers unrolled in a Python loop in
+plain JAX, Linen and NNX; no shardplan call in the model) are recognised as layer classes and
+(scans) pipeline stacks: planned with a pipeline and with each recomputation policy, run in a
+loop of donated calls, they compute what the step computes."""
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ import scan_steps
 N_STEPS = 5
 MESH = {"data": 2, "model": 4}
 SCANS = ["jax_scan_gpt", "linen_scan_dropout", "nnx_scan_dropout"]
+UNROLLED = ["jax_unrolled_gpt", "linen_unrolled_dropout", "nnx_unrolled_dropout"]
 
 
 def _mesh():
@@ -52,7 +54,8 @@ def test_a_plain_scan_is_pipelined_and_computes_its_step(name):
     assert "pipeline: 2 stages" in f.plan.explain()
 
 
-@pytest.mark.parametrize("name,policy", [(n, p) for n in SCANS + ["fori_stack"] for p in ("dots_all", "dots", "full")])
+@pytest.mark.parametrize("name,policy", [(n, p) for n in SCANS + ["fori_stack"] + UNROLLED
+                                         for p in ("dots_all", "dots", "full")])
 def test_a_plain_loop_is_a_layer_class_for_each_recomputation_policy(name, policy):
     us = scan_steps.build(name)
     f = _planned(us, remat=policy)
@@ -73,8 +76,23 @@ def test_the_recomputation_policy_changes_what_the_step_keeps():
 
 def test_a_fori_loop_stack_is_not_pipelined_and_the_error_says_why():
     us = scan_steps.build("fori_stack")
-    with pytest.raises(PipelineError, match=r"layer stack at scan_steps:.*fori_loop reads each layer's weights by its index"):
+    with pytest.raises(PipelineError,
+                       match=r"layer stack at scan_steps:.*fori_loop reads each layer's weights by its index"):
         shardplan.plan(us.fn, *us.args, mesh=_mesh(), pipeline=2, cache=False, **us.jit)
+
+
+@pytest.mark.parametrize("name", UNROLLED)
+def test_unrolled_layers_are_not_pipelined_and_the_error_says_why(name):
+    us = scan_steps.build(name)
+    with pytest.raises(PipelineError, match=r"no layer stack a pipeline can split.*unrolled in a Python loop"):
+        shardplan.plan(us.fn, *us.args, mesh=_mesh(), pipeline=2, cache=False, **us.jit)
+
+
+def test_unrolled_layers_recompute_what_the_step_keeps_less_of():
+    us = scan_steps.build("jax_unrolled_gpt")
+    kept = {p: shardplan.plan(us.fn, *us.args, mesh=_mesh(), remat=p, cache=False, **us.jit).cost.memory_bytes
+            for p in ("none", "full")}
+    assert kept["full"] < kept["none"]
 
 
 def test_a_scan_whose_carry_is_not_the_activation_is_named_and_planned_without_a_pipeline():

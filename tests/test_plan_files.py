@@ -38,6 +38,7 @@ def saved(tmp_path_factory):
     return path, f.plan, losses
 
 
+@pytest.mark.slow
 def test_a_saved_plan_runs_in_a_fresh_process_without_the_solver(saved):
     path, _, losses = saved
     script = textwrap.dedent(f"""
@@ -126,6 +127,7 @@ def test_a_train_state_plan_binds_in_another_process(tmp_path):
     """A flax TrainState's static fields (apply_fn, tx) print with other addresses in every
     process: the plan matches the step by leaf paths and signature, not by that text."""
     import re
+
     import flax.linen as nn
     import optax
     from flax.training import train_state

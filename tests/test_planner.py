@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import shardplan
-from shardplan.models.train import reference
-from shardplan.mesh import Link
 from shardplan.errors import InfeasibleBudgetError
+from shardplan.mesh import Link
+from shardplan.models.train import reference
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +19,7 @@ def wide():
     return ref, jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(8, abstract=True)
 
 
+@pytest.mark.slow
 def test_parameter_bytes_fall_as_budget_tightens(wide):
     ref, state, batch = wide
     mesh = shardplan.load_mesh("h100-8")
@@ -31,6 +32,7 @@ def test_parameter_bytes_fall_as_budget_tightens(wide):
     assert tight.cost.memory_bytes_by_role["params"] < full      # not trivially replicated
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_beat_the_best_so_far_is_not_solved_under_the_budget(wide):
     from shardplan.planner import PlannerOptions
     from shardplan.search import plan_traced
@@ -77,6 +79,7 @@ def test_a_mesh_searched_by_axes_skips_the_search_where_no_plan_can_beat_the_bes
     assert again.solver.status == "LOCAL_OPTIMUM" and again.cost.step_s == pytest.approx(best.cost.step_s)
 
 
+@pytest.mark.slow
 def test_infeasible_budget_names_smallest_budget_and_largest_tensors(wide):
     ref, state, batch = wide
     with pytest.raises(shardplan.InfeasibleBudgetError, match=r"smallest budget that works is (about|at least) .*"
@@ -90,7 +93,8 @@ def test_slow_model_axis_gives_pure_data_parallel():
     ref = reference("mlp-tiny", scan=True)
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(512, abstract=True)
     mesh = shardplan.load_mesh("h100-8")
-    slow = dataclasses.replace(mesh, axes=(mesh.axes[0], dataclasses.replace(mesh.axes[1], link=Link("slow", 1e6, 1e-3))))
+    slow = dataclasses.replace(mesh, axes=(mesh.axes[0],
+                                           dataclasses.replace(mesh.axes[1], link=Link("slow", 1e6, 1e-3))))
     p = shardplan.plan(ref.train_step, state, batch, mesh=slow, time_limit=3)
     assert p.cost.comm_s_by_axis["model"] == 0.0
     inputs = {r.name: r.partition_spec for r in p.inputs}
@@ -212,6 +216,7 @@ def test_gpt_with_tiny_batch_rediscovers_megatron_mlp():
     assert p.cost.comm_s_by_kind["all-reduce"] > 0                           # the row-parallel partial sums
 
 
+@pytest.mark.slow
 def test_tight_memory_with_tensor_parallel_gives_megatron_sequence_parallel():
     """Megatron-SP: with the layers column/row split over 'model' and activations crowding the
     budget, the residual stream (the norm and residual regions) is split along the sequence,
@@ -263,6 +268,7 @@ def test_search_mesh_tries_every_factorisation_and_keeps_the_best():
     assert p.cost.step_s <= fixed.cost.step_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_each_node_loads_its_share_of_the_batch():
     """The hosts load every step's batch, each node its share: a batch split across nodes costs
     1/(nodes it spans) of one split within nodes only, and the plan prices what it chose."""

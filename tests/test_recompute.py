@@ -45,8 +45,10 @@ def _sites(*keys, checkpointed=()):
     return {k: Site(k, f"m:{i} (f)", 4, k in checkpointed) for i, k in enumerate(keys)}
 
 
-SAVES = {"wide": {"none": 0, "dots_all": 3, "dots": 5, "full": 6}, "narrow": {"none": 0, "dots_all": 0.2, "dots": 0.4, "full": 0.5}}
-EXTRA = {"wide": {"none": 0, "dots_all": 0.01, "dots": 0.05, "full": 0.2}, "narrow": {"none": 0, "dots_all": 0.01, "dots": 0.02, "full": 0.03}}
+SAVES = {"wide": {"none": 0, "dots_all": 3, "dots": 5, "full": 6},
+         "narrow": {"none": 0, "dots_all": 0.2, "dots": 0.4, "full": 0.5}}
+EXTRA = {"wide": {"none": 0, "dots_all": 0.01, "dots": 0.05, "full": 0.2},
+         "narrow": {"none": 0, "dots_all": 0.01, "dots": 0.02, "full": 0.03}}
 
 
 def test_search_recomputes_the_class_that_needs_it_and_not_the_other():
@@ -143,6 +145,7 @@ def planned():
     return step, state, batch, abstract, auto
 
 
+@pytest.mark.slow
 def test_two_layer_classes_get_different_policies(planned):
     step, _, batch, abstract, auto = planned
     wide, narrow = auto.remat["sites"]
@@ -169,6 +172,7 @@ def test_ample_memory_recomputes_nothing(planned):
     assert [s["policy"] for s in p.remat["sites"]] == ["none", "none"]
 
 
+@pytest.mark.slow
 def test_the_chosen_recomputation_runs_and_matches_jit(planned):
     step, state, batch, _, auto = planned
     f = shardplan.auto(step, remat="auto", memory_budget=BUDGET, **KW)

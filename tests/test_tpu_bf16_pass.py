@@ -16,9 +16,9 @@ import pytest
 
 import shardplan
 from shardplan import targets
+from shardplan.bf16_pass import read_as_bf16
 from shardplan.cost import CostModel
 from shardplan.rules import apply_rule
-from shardplan.bf16_pass import read_as_bf16
 from shardplan.walk import build_graph
 
 f32 = jnp.float32
@@ -106,6 +106,7 @@ def test_a_reduce_scatter_puts_its_axes_minor_to_the_dimensions_own():
     assert gpu.reduced_spec((("model",), ()), ("data",), (("data",), ("model",))) == (("data", "model"), ())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not targets.available("tpu"), reason="libtpu is not installed (pip install 'shardplan[aot]')")
 def test_collectives_of_a_float32_model_match_libtpu(tmp_path):
     # llama-tiny on 256 v5e chips as (16, 16): its attention operands are gathered over 'model'

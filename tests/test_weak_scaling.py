@@ -46,6 +46,7 @@ def test_row_fields_are_consistent(pipeline, tmp_path):
     assert len(cells) == ws.HEADER.splitlines()[0].count("|") - 1
 
 
+@pytest.mark.slow
 def test_main_prints_the_table_and_survives_a_row_that_fails(monkeypatch, capsys):
     tiny_budget = ws.Row(layers=2, hidden=128, heads=4, gpus=16, batch=32, seq=128, vocab=1024)
     monkeypatch.setattr(ws, "ROWS", [SMALL, tiny_budget])

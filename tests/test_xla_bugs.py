@@ -7,7 +7,9 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardplan.graph import DotOp
 from shardplan.xla_bugs import miscompiled_reduction
@@ -40,6 +42,7 @@ def _spec(*dims):
     return P(*[d if len(d) != 1 else d[0] if d else None for d in dims])
 
 
+@pytest.mark.slow
 def test_every_reduction_xla_miscompiles_is_priced_out():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), AXES)
     rng = np.random.default_rng(0)
