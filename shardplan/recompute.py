@@ -68,7 +68,8 @@ def checkpoint_policy(name: str, vmapped: int = 0):
     most that many batch dimensions, which the projections are and attention's (batch and heads,
     plus the levels) are not."""
     if name not in POLICIES:
-        raise RecomputeError(f"recomputation policy {name!r} is not one of {', '.join(POLICIES)}")
+        raise RecomputeError(f"recomputation policy {name!r} is not one of {', '.join(POLICIES)} (remat= also takes "
+                             "'auto', searched, and 'off', the step as written)")
     if name in OFFLOADING:
         policy = getattr(jax.checkpoint_policies, POLICIES[name])("device", "pinned_host")
     else:
@@ -106,7 +107,8 @@ class Site:
 
     key: str            # where + a hash of the shapes it was called with: stable across processes and runs
     where: str          # "models.layers:160 (LayerStack.__call__)"
-    layers: int         # layers of this class in the step (a scan's length, or one per call)
+    layers: int         # layers of this class the step runs (a scan's length, or one per call; a model
+                        # differentiated twice in the step counts twice)
     checkpointed: bool  # the code already recomputes (its own jax.checkpoint)
     scanned: bool = True  # a layer_scan (else unrolled layers: layer_remat)
 

@@ -66,13 +66,20 @@ def remat_setting(remat):
     return remat
 
 
-def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes):
+def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes, named: bool = False):
     """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
     none) with recomputation ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the
-    step as written). Raises :class:`NoLayerStackError` where the step has no layer stack to pipeline."""
+    step as written). Raises :class:`NoLayerStackError` where the step has no layer stack to pipeline;
+    ``named``: ``remat`` is the user's own ``{class key: policy}``, whose keys must be classes the step has."""
     with contextlib.ExitStack() as stack:
         sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
         traced, refused = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
+    if named and isinstance(remat, dict) and config is None:
+        unknown = sorted(set(remat) - set(sites))
+        if unknown:
+            raise recompute.RecomputeError(
+                f"remat names layer classes the step does not have: {', '.join(map(repr, unknown))}; its classes are "
+                + (", ".join(repr(k) for k in sites) or "none") + " (plan.remat['sites'] lists each class's key)")
     if traced is None:
         raise NoLayerStackError(
             "the step has no layer stack a pipeline can split"
@@ -141,7 +148,8 @@ def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     met = {}             # the layer classes of the last trace, kept when its plan does not fit
 
     def traced_in(cand, choices):
-        traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes)
+        traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes,
+                                  named=choices is remat)
         met.clear()
         met.update(sites)
         return traced, sites

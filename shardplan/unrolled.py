@@ -162,7 +162,7 @@ def _periodic_runs(ids: np.ndarray, min_period: int):
                 yield (r + p) // p * p, p, int(a), int(r)
 
 
-def find_layers(jaxpr, min_period: int = 3) -> list[Layers]:
+def find_layers(jaxpr, min_period: int = 1) -> list[Layers]:
     """The runs of unrolled repeated layers in ``jaxpr``'s top level, longest first (module doc)."""
     memo: dict = {}
     table: dict = {}
@@ -219,22 +219,21 @@ def _frames(eqn) -> list[tuple[str, str, int]]:
 
 
 def where(jaxpr, layers: Layers) -> str:
-    """``module:line (function)`` of the model's line that runs the layers: the innermost frame
-    every layer's equations share."""
-    common = None
-    for i in range(layers.start, layers.start + layers.period * layers.count):
-        frames = _frames(jaxpr.eqns[i])
-        if common is None:
-            common = frames
-        else:
-            k = 0
-            while k < min(len(common), len(frames)) and common[k] == frames[k]:
-                k += 1
-            common = common[:k]
-    if not common:
-        return "unrolled layers"
-    module, function, line = common[-1]
-    return f"{module}:{line} ({function})"
+    """``module:line (function)`` of the model's line that runs the layers: the innermost model
+    frame every layer's equations share (JAX keeps only the innermost frames of an equation's
+    traceback, so a loop's own line may be cut off: then the innermost function they share,
+    at its first line among them)."""
+    eqns = [jaxpr.eqns[i] for i in range(layers.start, layers.start + layers.period * layers.count)]
+    stacks = [_frames(e) for e in eqns]
+    for key in (lambda f: f, lambda f: f[:2]):
+        shared = set.intersection(*(set(map(key, fs)) for fs in stacks)) if stacks else set()
+        if shared:
+            # the innermost: the one latest in an equation's frames (outermost first)
+            depth = {k: max(i for fs in stacks for i, f in enumerate(fs) if key(f) == k) for k in shared}
+            innermost = max(shared, key=lambda k: (depth[k], k))
+            line = min(f[2] for fs in stacks for f in fs if key(f) == innermost)
+            return f"{innermost[0]}:{line} ({innermost[1]})"
+    return "unrolled layers"
 
 
 # -- running them recomputed ---------------------------------------------------------------------

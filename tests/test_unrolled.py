@@ -62,6 +62,61 @@ def test_side_by_side_copies_and_repeats_without_a_matmul_are_no_layers():
     assert unrolled.find_layers(_jaxpr(elementwise, jnp.ones((4, 8)))) == []
 
 
+def test_layers_checkpointed_whole_are_one_equation_each_and_still_found():
+    block = jax.checkpoint(_block)
+
+    def loss(w, x):
+        for layer in w:
+            x = block(layer, x)
+        return jnp.mean(x ** 2)
+    jaxpr = _jaxpr(loss, _weights(3), jnp.ones((4, 8)))
+    (found,) = unrolled.find_layers(jaxpr)
+    assert (found.period, found.count) == (1, 3) and jaxpr.eqns[found.start].primitive.name in ("checkpoint", "remat2")
+
+
+def test_a_loop_in_the_differentiated_function_is_named_by_that_function():
+    """JAX keeps only an equation's innermost frames: a two-line loop body shares no line, and
+    the layers are named by the function they share, at its first line among them."""
+    def loss(w, x):
+        for layer in w:
+            x = jnp.tanh(x @ layer["up"]) @ layer["down"]
+            x = x * 2.0
+        return jnp.mean(x ** 2)
+    jaxpr = _jaxpr(loss, _weights(3), jnp.ones((4, 8)))
+    (found,) = unrolled.find_layers(jaxpr)
+    assert unrolled.where(jaxpr, found).endswith("(test_a_loop_in_the_differentiated_function_is_named_by_that_"
+                                                 "function.<locals>.loss)")
+
+
+def _checkpointed_step():
+    block = jax.checkpoint(_block)
+
+    def step(w, x):
+        def loss(w):
+            h = x
+            for layer in w:
+                h = block(layer, h)
+            return jnp.mean(h ** 2)
+        g = jax.grad(loss)(w)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, w, g)
+    return step
+
+
+def test_the_users_own_checkpoint_on_each_layer_is_kept_under_auto():
+    p = shardplan.plan(_checkpointed_step(), _weights(3), jnp.ones((16, 8)), mesh="cpu-8", remat="auto",
+                       cache=False)
+    assert [(s["policy"], s["layers"]) for s in p.remat["sites"]] == [("user", 3)]
+
+
+def test_a_class_key_the_step_does_not_have_is_an_error_naming_the_ones_it_has():
+    step, args = _checkpointed_step(), (_weights(3), jnp.ones((16, 8)))
+    key = shardplan.plan(step, *args, mesh="cpu-8", remat="auto", cache=False).remat["sites"][0]["key"]
+    with pytest.raises(shardplan.RecomputeError, match=r"does not have: 'nope'; its classes are '.*#"):
+        shardplan.plan(step, *args, mesh="cpu-8", remat={"nope": "full"}, cache=False)
+    assert shardplan.plan(step, *args, mesh="cpu-8", remat={key: "full"}, cache=False).remat["sites"][0]["policy"] \
+        == "full"
+
+
 def test_outside_planning_the_routers_run_the_function_as_written():
     calls = []
 
