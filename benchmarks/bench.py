@@ -45,10 +45,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import (
-    footprint,  # noqa: E402
-    targets,  # noqa: E402
-)
+from shardplan import footprint, targets  # noqa: E402
 from shardplan.audit import price_collectives  # noqa: E402
 from shardplan.benchmarks.baselines import (  # noqa: E402
     BASELINES,
