@@ -71,6 +71,16 @@ def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat,
     singles, pairs = _fallbacks(pipeline, remat, context, first_pipeline, as_remat, as_context)
     if not singles:
         raise written
+    if written.floor_bytes is not None and budget < written.floor_bytes:
+        # No family changes what the arguments take: none is tried.
+        why = (f"no pipeline, recomputation or sequence split can help: the step's arguments alone take "
+               f"{format_bytes(written.floor_bytes)} a device, split evenly over all {mesh.num_devices} devices")
+        with Status() as line:
+            least = "" if written.min_feasible_bytes is None else \
+                f"needs at least {written.min_feasible_bytes / 2**30:.2f} GiB a device; "
+            line.done(f"no plan fits the budget of {budget / 2**30:.2f} GiB: {least}{why}")
+        written.args = (f"{written.args[0]}\n({why})",) + written.args[1:]
+        raise written
     found, failed = [], [("the step as written", written)]
     helped = set()                         # the families that alone needed less memory than the step as written
     for t in singles:

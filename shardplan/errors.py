@@ -21,14 +21,17 @@ class MeshConfigError(ShardplanError, ValueError):
 
 
 class InfeasibleBudgetError(ShardplanError):
-    """No plan fits ``memory_budget``; ``min_feasible_bytes`` is the smallest budget that works."""
+    """No plan fits ``memory_budget``; ``min_feasible_bytes`` is the smallest budget that works;
+    ``floor_bytes``, where known, the step's arguments split evenly over every device: no plan,
+    whatever its pipeline, recomputation or sequence split, holds less."""
 
     def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None,
-                 largest_tensors: list[tuple[str, int]]):
+                 largest_tensors: list[tuple[str, int]], floor_bytes: int | None = None):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.largest_tensors = largest_tensors
+        self.floor_bytes = floor_bytes
 
 
 class PlanMismatchError(ShardplanError, ValueError):

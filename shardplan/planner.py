@@ -297,7 +297,8 @@ def _raise_infeasible(graph, enum, problem, budget_bytes, lean):
         f"{enum.m.mesh.name} {dict(zip(enum.axes, enum.sizes))}; the smallest budget that works is "
         f"{how} {format_bytes(need)}. Largest inputs: {listing}. Raise the "
         f"budget, use more devices, or shrink the batch.",
-        budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest)
+        budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest,
+        floor_bytes=int(sum(graph.tensors[t].nbytes for t in graph.inputs) / math.prod(enum.sizes)))
 
 
 def _short(source: str) -> str:

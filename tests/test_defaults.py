@@ -102,10 +102,15 @@ def test_off_keeps_the_step_as_written_and_the_error_lists_each_family():
                        r"  - the step as written: needs about .*\n  - recomputation \(remat='auto'\): needs about "
                        r".*\n  - a sequence split \(context='auto'\): needs about .* \(context='auto' could not help: "
                        r"the step has no attention.*\n  - a pipeline \(pipeline='auto'\): needs about") as searched:
-        shardplan.plan(step, *args, mesh=mesh, memory_budget="4KiB", cache=False, time_limit=2)
+        shardplan.plan(step, *args, mesh=mesh, memory_budget="10KiB", cache=False, time_limit=2)
     needs = dict(searched.value.tried)
     assert needs["recomputation (remat='auto')"] < needs["the step as written"]
     assert searched.value.min_feasible_bytes == min(b for b in needs.values() if b is not None)
+    # Under what the arguments alone take split over all 8 devices (9 KiB), no family is tried.
+    with pytest.raises(shardplan.InfeasibleBudgetError, match=r"no pipeline, recomputation or sequence split can "
+                       r"help: the step's arguments alone take 9.00 KiB a device") as floor:
+        shardplan.plan(step, *args, mesh=mesh, memory_budget="4KiB", cache=False, time_limit=2)
+    assert "Tried" not in str(floor.value) and floor.value.floor_bytes == 9 * 1024
 
 
 def test_a_step_that_fits_as_written_is_planned_as_written():
