@@ -278,9 +278,9 @@ def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bu
     if remat == "auto" and (best[0].remat or {}).get("sites"):
         searched["remat"] = runner_up(completed, best[0], "remat")
     best = (dataclasses.replace(best[0], searched=searched), best[1])
+    unrolled = {k for k, site in met.items() if not site.scanned} if compiler_kind(mesh_spec) == "cpu" else set()
     wasted = [s["where"] for s in (best[0].remat or {}).get("sites", [])
-              if s["policy"] not in ("none", recompute.USER) and compiler_kind(mesh_spec) == "cpu"
-              and not met.get(s["key"], recompute.Site("", "", 0, False)).scanned]
+              if s["key"] in unrolled and s["policy"] not in ("none", recompute.USER)]
     if wasted:
         best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
             f"remat={remat!r} recomputes the unrolled layers at {', '.join(wasted)}, but {recompute.CPU_UNROLLED}: "
