@@ -19,6 +19,7 @@ lists what was tried per family and the least memory each needed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from shardplan.errors import InfeasibleBudgetError, ShardplanError
@@ -54,16 +55,16 @@ def _less(e: Exception, written: InfeasibleBudgetError) -> bool:
 
 
 def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat, context, written=None):
-    """``(plan, rest)`` from ``plan_pinned(pipeline, remat, context)`` (each setting as the
-    planner takes it: ``None`` for none) with the defaults above applied to the settings left at
-    ``None``. ``written``: the step as written already planned, or its
-    :class:`InfeasibleBudgetError`."""
+    """``(plan, rest)`` from ``plan_pinned(pipeline, remat, context, beat)`` (each setting as the
+    planner takes it: ``None`` for none; ``None`` back where no plan could beat ``beat`` seconds)
+    with the defaults above applied to the settings left at ``None``. ``written``: the step as
+    written already planned, or its :class:`InfeasibleBudgetError`."""
     first_pipeline = pipeline_default(mesh, pipeline, context)
     as_remat = None if remat in (None, "off") else remat
     as_context = None if context in (None, "off") else context
     if written is None:
         try:
-            return plan_pinned(first_pipeline, as_remat, as_context)
+            return plan_pinned(first_pipeline, as_remat, as_context, math.inf)
         except InfeasibleBudgetError as e:
             written = e
     if not isinstance(written, InfeasibleBudgetError):
@@ -83,23 +84,29 @@ def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat,
         raise written
     found, failed = [], [("the step as written", written)]
     helped = set()                         # the families that alone needed less memory than the step as written
-    for t in singles:
-        with Status() as line:
-            line.done(f"the step as written needs {_least(written)} a device, over the budget: trying {t.label}")
+
+    def attempt(t: _Try) -> None:
+        # Each try planned to beat the best plan of the tries before it: one that cannot is dropped early.
+        beat = min((plan.cost.step_s for _, (plan, _) in found), default=math.inf)
         try:
-            found.append((t, plan_pinned(t.pipeline, t.remat, t.context)))
+            got = plan_pinned(t.pipeline, t.remat, t.context, beat)
         except ShardplanError as e:        # over the budget, or the family does not apply (no attention, no stack)
             failed.append((t.label, e))
             if _less(e, written):
                 helped.add(t)
+            return
+        if got is not None:
+            found.append((t, got))
+
+    for t in singles:
+        with Status() as line:
+            line.done(f"the step as written needs {_least(written)} a device, over the budget: trying {t.label}")
+        attempt(t)
     if not found and singles[0].remat == "auto" and singles[0] in helped:
         # Recomputation with each other family that helped alone: only where no family alone fits.
         for t in pairs:
             if t.alone in helped:
-                try:
-                    found.append((t, plan_pinned(t.pipeline, t.remat, t.context)))
-                except ShardplanError as e:
-                    failed.append((t.label, e))
+                attempt(t)
     if not found:
         error = _explained(written, failed, mesh, budget)
         least = "" if error.min_feasible_bytes is None else \

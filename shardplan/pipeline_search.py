@@ -15,8 +15,21 @@ import math
 
 import jax
 
+from shardplan.defaults import runner_up
+from shardplan.errors import InfeasibleBudgetError
+from shardplan.families import JOIN, Alongside, Family
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import PipelineConfig, PipelineError, Schedule, StackSite, pipelined, recognising, seen_stacks
+from shardplan.pipeline import (
+    NoLayerStackError,
+    PipelineConfig,
+    PipelineError,
+    Schedule,
+    StackSite,
+    pipelined,
+    recognising,
+    seen_stacks,
+)
+from shardplan.progress import Status
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16
@@ -190,3 +203,99 @@ def trace_for(trace, config: PipelineConfig | None, axis_names, axis_sizes):
             recognising():
         traced = trace()
     return (traced if use.pipelined else None), use.refused
+
+
+class PipelineFamily(Family):
+    """Pipelines as a :class:`~shardplan.families.Family`: the candidates of :func:`rounds`, the
+    deeper ones only where none of the first fits; the plan without a pipeline is planned alongside
+    the deepest stage count's (where every family inside is pinned)."""
+
+    name = "pipeline"
+    errors = (PipelineError,)
+
+    def __init__(self, setting):
+        super().__init__(setting)
+        self.untried = None             # why "auto" tried no pipeline
+        self.searched = False           # whether any pipeline was a candidate
+
+    def pinned(self) -> bool:
+        return not (self.setting == "auto" or isinstance(self.setting, int) and not isinstance(self.setting, bool))
+
+    def explore(self, point, search, alone: bool = True):
+        cands, deeper, self.untried = rounds(point.mesh, self.setting, point.trace, search.budget(point.mesh))
+        if self.untried:
+            _say(self.untried)
+        if not cands:
+            raise PipelineError(f"pipeline={self.setting!r}: no pipeline of this setting splits the step (its batch "
+                                "has fewer rows than stages); give a batch with a row for every stage, or "
+                                "pipeline='off'")
+        self.searched = self.searched or any(c.config is not None for c in cands)
+        deepest = next((c.config.stages for c in cands if c.config is not None), None)
+        pending, failures = False, []
+        for k, cand in enumerate(cands):
+            if pending and (cand.config is None or cand.config.stages != deepest):
+                outcome, pending = (yield JOIN), False
+                _said_alongside(outcome)
+            if cand.config is None and deepest is not None and alone:
+                pending = True
+                yield Alongside(cand)
+                _say(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next ({deepest} stages)")
+                continue
+            if cand.config is not None and len(cands) > 1:
+                _say(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
+            outcome = yield cand
+            if outcome.error is not None:
+                failures.append(outcome.error)
+            if isinstance(outcome.error, NoLayerStackError):
+                break                    # no other pipeline applies either
+        if pending:
+            _said_alongside((yield JOIN))
+        if isinstance(failures[-1] if failures else None, NoLayerStackError):
+            return
+        if deeper and search.best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
+            _say(f"no pipeline of up to {MAX_AUTO_STAGES} stages fits: trying deeper ones")
+            self.searched = True
+            for cand in deeper:
+                _say(f"pipeline candidate: {cand.config.describe()}")
+                yield cand
+
+    def enter(self, cand: Candidate, point):
+        def trace():
+            traced, refused = trace_for(point.trace, cand.config, cand.mesh.axis_names, cand.mesh.axis_sizes)
+            if traced is None:
+                raise NoLayerStackError(
+                    "the step has no layer stack a pipeline can split"
+                    + (": " + "; ".join(refused) if refused else
+                       " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a "
+                       "shardplan.layer_scan; layers unrolled in a Python loop, each with its own weights, are "
+                       "recomputed but not pipelined)")
+                    + "; plan with pipeline='off'")
+            return traced
+        return point.entered(self, cand.config, trace=trace, mesh=cand.mesh)
+
+    def record(self, plan, config, note):
+        return dataclasses.replace(plan, pipeline=None if config is None else config.to_json())
+
+    def from_plan(self, plan, point):
+        return Candidate(plan.pipeline_config(), point.mesh)
+
+    def finish(self, plan, completed):
+        if self.untried:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (self.untried,))
+        if self.searched:
+            plan = dataclasses.replace(plan, searched={**plan.searched,
+                                                       "pipeline": runner_up(completed, plan, "pipeline")})
+        return plan
+
+
+def _say(text: str) -> None:
+    with Status() as line:
+        line.done(text)
+
+
+def _said_alongside(outcome) -> None:
+    if outcome.plan is not None:
+        _say(f"without a pipeline (planned alongside): {outcome.plan.solver.status}, predicted step "
+             f"{outcome.plan.cost.step_s * 1e3:.3f} ms")
+    elif isinstance(outcome.error, InfeasibleBudgetError):
+        _say("without a pipeline (planned alongside): no plan fits the budget")

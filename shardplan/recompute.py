@@ -41,7 +41,11 @@ from collections.abc import Callable
 import jax
 
 from shardplan import stacks
+from shardplan.defaults import runner_up
 from shardplan.errors import ShardplanError
+from shardplan.families import Family
+from shardplan.progress import Status
+from shardplan.targets import compiler_kind
 
 # Named policies -> jax.checkpoint_policies attribute; ordered from the least device memory saved to the most.
 POLICIES = {"none": None, "dots_all": "dots_saveable", "dots": "dots_with_no_batch_dims_saveable",
@@ -272,22 +276,36 @@ def layer_remat(f: Callable) -> Callable:
 
 # -- choosing ------------------------------------------------------------------------------------
 
-def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], *,
-           policies=policies_for(False), say: Callable[[str], None] = lambda text: None, max_exhaustive: int = 2,
-           first=..., unrolled_saves: bool = True):
-    """The assignment of ``policies`` to the classes in ``sites`` whose plan ``evaluate`` predicts
-    the fastest. ``evaluate(choices, beat)`` traces and plans the step under ``{key: policy}``;
-    ``None`` where no plan fits, or none can be faster than ``beat`` seconds. ``first``: its plan
-    for the step as written, if already made. Returns ``(choices, plan, tried)`` with ``tried``
-    the ``(choices, plan or None)`` in order; ``plan`` is ``None`` where nothing fits.
+def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str, Site], **kw):
+    """:func:`assignments` driven by ``evaluate(choices, beat)``, which traces and plans the step
+    under ``{key: policy}`` (``None`` where no plan fits, or none can be faster than ``beat``
+    seconds, the best so far). Returns ``(choices, plan, tried)`` as :func:`assignments` does."""
+    walk = assignments(sites, **kw)
+    best, plan = math.inf, None
+    try:
+        while True:
+            choices = walk.send(plan)
+            plan = evaluate(choices, best)
+            if plan is not None:
+                best = min(best, plan.cost.step_s)
+    except StopIteration as done:
+        return done.value
+
+
+def assignments(sites: dict[str, Site], *, policies=policies_for(False), say: Callable[[str], None] = lambda text: None,
+                max_exhaustive: int = 2, first=..., unrolled_saves: bool = True):
+    """The assignments of ``policies`` to the classes in ``sites`` worth planning, as a generator:
+    each ``{key: policy}`` it yields is sent back its plan (``None`` where no plan fits, or none
+    can beat the best so far). ``first``: the plan for the step as written, if already made.
+    Returns ``(choices, plan, tried)``: the assignment whose plan is predicted the fastest, that
+    plan (``None`` where nothing fits) and ``tried``, the ``(choices, plan or None)`` in order.
 
     No recomputation is tried first. Then every assignment is planned for up to ``max_exhaustive``
     classes; beyond that each policy for all classes, then one class at a time changed while the
     step improves. Nothing is skipped because no recomputation fits: recomputing adds compute but
     keeps fewer residuals, and each kept one costs HBM traffic (a scan zero-fills every stacked
     residual and copies a matmul's into it; :func:`shardplan.traffic.hbm_traffic`), so on a GPU
-    ``dots`` measured faster than ``none`` with memory to spare (RESULTS.md, session 21). ``evaluate``
-    drops a plan early when even its unconstrained optimum cannot beat the best so far.
+    ``dots`` measured faster than ``none`` with memory to spare (RESULTS.md, "Recomputation").
     ``unrolled_saves``: whether the compiler holds less for recomputed unrolled layers (not
     XLA's CPU compiler: :data:`CPU_UNROLLED`); where not, those classes keep ``"none"``.
     """
@@ -301,7 +319,7 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         if ident not in seen:
             choices = {**fixed, **assign}
             say(", ".join(f"{sites[k].where.split(' ')[0]} {p}" for k, p in assign.items()) or "as written")
-            seen[ident] = evaluate(choices, best.cost.step_s if best is not None else math.inf)
+            seen[ident] = yield choices
             tried.append((choices, seen[ident]))
         return seen[ident]
 
@@ -309,11 +327,10 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         return a is not None and (b is None or a.cost.step_s < b.cost.step_s)
 
     base = {k: "none" for k in free}
-    best = None
     if first is not ...:
         seen[tuple(sorted(base.items()))] = first
         tried.append(({**fixed, **base}, first))
-    best_assign, best = base, run(base)
+    best_assign, best = base, (yield from run(base))
     if not free:
         return {**fixed, **best_assign}, best, tried
     # Host offload only for scanned classes (see _policy_for).
@@ -327,7 +344,7 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
         grid = [{k: p if p in offered[k] else "full" for k in free} for p in policies]
     rank = {p: i for i, p in enumerate(POLICIES)}
     for assign in sorted(grid, key=lambda a: sum(rank[p] for p in a.values())):   # least memory saved first
-        plan = run(assign)
+        plan = yield from run(assign)
         if better(plan, best):
             best_assign, best = assign, plan
     if len(free) > max_exhaustive and best is not None:
@@ -338,8 +355,118 @@ def search(evaluate: Callable[[dict[str, str], float], object], sites: dict[str,
                 assign = {**best_assign, k: p}
                 if best_assign[k] == p or p not in offered[k]:
                     continue
-                plan = run(assign)
+                plan = yield from run(assign)
                 if better(plan, best):
                     best_assign, best, improved = assign, plan, True
     return {**fixed, **best_assign}, best, tried
 
+
+# -- as a family of the search ---------------------------------------------------------------------
+
+NO_LAYERS = ("the step has no layer stack (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan "
+             "run, a jax.lax.fori_loop over layers under jax.grad, a shardplan.layer_scan or shardplan.layer_remat)")
+
+
+def record(sites: dict[str, Site], choices) -> dict | None:
+    """``Plan.remat`` for a step traced under ``choices`` (``None``: not traced for recomputation)
+    meeting ``sites``."""
+    if choices is None:
+        return None
+    pick = (lambda k: choices) if isinstance(choices, str) else \
+        (lambda k: choices.get(k, USER if sites[k].checkpointed else "none"))
+    return {"sites": [site.to_json(pick(k)) for k, site in sites.items()]}
+
+
+class RematFamily(Family):
+    """Recomputation as a :class:`~shardplan.families.Family`: ``"auto"`` plans the step as
+    written, which meets its layer classes, then :func:`assignments`' policies for them; a policy
+    name or ``{class key: policy}`` is that one; ``None``: the step as written, not traced for
+    recomputation at all."""
+
+    name = "remat"
+
+    def __init__(self, setting):
+        super().__init__(setting)
+        self.classes: dict[str, Site] = {}       # every class met
+        self.no_layers = False                   # "auto" met no class to recompute
+        self.cpu = False                         # planned for XLA's CPU compiler (CPU_UNROLLED)
+        self._met: dict[str, Site] = {}          # the classes the last candidate entered met
+
+    def pinned(self) -> bool:
+        return self.setting != "auto"
+
+    def explore(self, point, search, alone: bool = True):
+        self.cpu = compiler_kind(point.mesh) == "cpu"
+        if self.setting != "auto":
+            yield self.setting
+            return
+        written = yield {}                       # the step as written: meets its layer classes
+        sites = self._met
+        if not sites:
+            self.no_layers = True
+            return
+        host = compiler_kind(point.mesh) != "cpu"
+        walk = assignments(sites, first=written.plan, policies=policies_for(host), unrolled_saves=host,
+                           say=lambda text: _say(f"recomputation candidate: {text}"))
+        plan = None
+        while True:
+            try:
+                choices = walk.send(plan)
+            except StopIteration:
+                return
+            plan = (yield choices).plan
+
+    def enter(self, choices, point):
+        if choices is None:
+            return point.entered(self, None, {})
+        sites: dict[str, Site] = {}
+        named = choices is self.setting and isinstance(choices, dict) and point.choice("pipeline") is None
+
+        def trace():
+            with recomputing(choices) as met:
+                traced = point.trace()
+            sites.clear()
+            sites.update(met)
+            self.classes.update(met)
+            unknown = sorted(set(choices) - set(met)) if named else []
+            if unknown:
+                raise RecomputeError(
+                    f"remat names layer classes the step does not have: {', '.join(map(repr, unknown))}; its "
+                    "classes are " + (", ".join(repr(k) for k in met) or "none")
+                    + " (plan.remat['sites'] lists each class's key)")
+            return traced
+        self._met = sites
+        return point.entered(self, choices, sites, trace=trace)
+
+    def record(self, plan, choices, sites):
+        return dataclasses.replace(plan, remat=record(sites, choices))
+
+    def from_plan(self, plan, point):
+        return None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
+
+    def finish(self, plan, completed):
+        remat = self.setting
+        if remat == "auto" and (plan.remat or {}).get("sites"):
+            plan = dataclasses.replace(plan, searched={**plan.searched, "remat": runner_up(completed, plan, "remat")})
+        unrolled = {k for k, site in self.classes.items() if not site.scanned} if self.cpu else set()
+        wasted = [s["where"] for s in (plan.remat or {}).get("sites", [])
+                  if s["key"] in unrolled and s["policy"] not in ("none", USER)]
+        if wasted:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (
+                f"remat={remat!r} recomputes the unrolled layers at {', '.join(wasted)}, but {CPU_UNROLLED}: "
+                "the predicted memory counts a saving this compiler does not make",))
+        if (self.no_layers or remat not in (None, "auto")) and not (plan.remat or {}).get("sites"):
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (
+                f"remat={remat!r}: {NO_LAYERS}, so no layer's recomputation could be "
+                + ("chosen" if remat == "auto" else "set") + "; the step is planned as written",))
+        return plan
+
+    def explain(self, error):
+        if self.setting == "auto" and self.no_layers:
+            error.no_layers = True
+        return error
+
+
+def _say(text: str) -> None:
+    with Status() as line:
+        line.done(text)

@@ -1,26 +1,26 @@
-"""The outer search around the ILP: the step traced and planned once per candidate pipeline
-(:mod:`shardplan.pipeline_search`), recomputation policy (:mod:`shardplan.recompute`) and way
-to split its attention over the sequence (:mod:`shardplan.sequence`), the lowest predicted step
-that fits the budget kept; and a plan's step traced again as it was made."""
+"""The outer search around the ILP: one loop over the parallelism families (:mod:`shardplan.families`:
+a sequence split of attention, :mod:`shardplan.sequence`; a pipeline, :mod:`shardplan.pipeline_search`;
+recomputation, :mod:`shardplan.recompute`), the step traced and planned once per combination of
+their candidates, each planned to beat the best so far, the lowest predicted step that fits the
+budget kept (:class:`Search`); the defaults that decide which families are searched
+(:mod:`shardplan.defaults`); and a plan's step traced again as it was made."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import math
 import threading
+import types
 from collections.abc import Callable
 
 from shardplan import cache as plan_cache
 from shardplan import defaults, pipeline_search, recompute, sequence
-from shardplan.defaults import runner_up
-from shardplan.errors import InfeasibleBudgetError, PlanMismatchError
+from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
+from shardplan.families import JOIN, Alongside, Family, Outcome, Point
 from shardplan.mesh import MeshSpec
-from shardplan.pipeline import NoLayerStackError, PipelineError
+from shardplan.pipeline import NoLayerStackError
 from shardplan.plan import Plan
 from shardplan.planner import PlannerOptions, plan_jaxpr
-from shardplan.progress import Status, silenced
+from shardplan.progress import silenced
 from shardplan.sizes import parse_bytes
 from shardplan.solver import StopToken, stoppable
 from shardplan.targets import compiler_kind
@@ -49,10 +49,6 @@ def plan_traced(traced: TracedStep, mesh_spec: MeshSpec, budget: int, options: P
     return p, graph
 
 
-NO_LAYERS = ("the step has no layer stack (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan "
-             "run, a jax.lax.fori_loop over layers under jax.grad, a shardplan.layer_scan or shardplan.layer_remat)")
-
-
 def remat_setting(remat):
     """``remat=`` checked: ``None`` (the default), ``"off"``, ``"auto"``, a policy name or
     ``{class key: policy}``."""
@@ -64,39 +60,6 @@ def remat_setting(remat):
     with recompute.recomputing(remat):     # checks every name
         pass
     return remat
-
-
-def _trace_in(trace: Callable[[], TracedStep], config, remat, axis_names, axis_sizes, named: bool = False):
-    """``(traced step, layer classes met)``: ``trace()`` inside ``config``'s pipeline (``None``:
-    none) with recomputation ``remat`` (:func:`shardplan.recompute.recomputing`; ``None``: the
-    step as written). Raises :class:`NoLayerStackError` where the step has no layer stack to pipeline;
-    ``named``: ``remat`` is the user's own ``{class key: policy}``, whose keys must be classes the step has."""
-    with contextlib.ExitStack() as stack:
-        sites = stack.enter_context(recompute.recomputing(remat)) if remat is not None else {}
-        traced, refused = pipeline_search.trace_for(trace, config, axis_names, axis_sizes)
-    if named and isinstance(remat, dict) and config is None:
-        unknown = sorted(set(remat) - set(sites))
-        if unknown:
-            raise recompute.RecomputeError(
-                f"remat names layer classes the step does not have: {', '.join(map(repr, unknown))}; its classes are "
-                + (", ".join(repr(k) for k in sites) or "none") + " (plan.remat['sites'] lists each class's key)")
-    if traced is None:
-        raise NoLayerStackError(
-            "the step has no layer stack a pipeline can split"
-            + (": " + "; ".join(refused) if refused else
-               " (a jax.lax.scan over stacked layer weights, as nn.scan and nnx.scan run, or a shardplan.layer_scan;"
-               " layers unrolled in a Python loop, each with its own weights, are recomputed but not pipelined)")
-            + "; plan with pipeline='off'")
-    return traced, sites
-
-
-def _remat_record(sites: dict, choices) -> dict | None:
-    """``Plan.remat`` for a step traced under ``choices`` meeting ``sites``."""
-    if choices is None:
-        return None
-    pick = (lambda k: choices) if isinstance(choices, str) else \
-        (lambda k: choices.get(k, recompute.USER if sites[k].checkpointed else "none"))
-    return {"sites": [site.to_json(pick(k)) for k, site in sites.items()]}
 
 
 def host_apart(mesh_spec: MeshSpec) -> bool:
@@ -122,174 +85,152 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     written. ``written``: the step as written already planned (``(plan, rest)``) or found not to
     fit (its :class:`InfeasibleBudgetError`)."""
     return defaults.planned(
-        lambda p, r, c: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c),
+        lambda p, r, c, beat: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c, beat),
         mesh_spec, budget_for(memory_budget, mesh_spec), setting, remat, context, written)
 
 
 def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
-                 cache, setting, remat=None, context=None) -> tuple[Plan, tuple]:
-    """``(plan, (graph, traced step))``: the step planned for every candidate pipeline of
-    ``setting`` (:func:`shardplan.pipeline_search.candidates`) and, with ``remat="auto"``, every
-    recomputation :func:`shardplan.recompute.search` tries (a policy name or ``{class key:
-    policy}``: that one), and with ``context``, every way to run its attention
-    (:func:`shardplan.sequence.search`); the lowest predicted step that fits the budget kept."""
+                 cache, setting, remat=None, context=None, beat: float = math.inf) -> tuple[Plan, tuple] | None:
+    """``(plan, (graph, traced step))``: the step planned for every candidate the families ask for
+    with these settings (a sequence split ``context``, a pipeline ``setting``, recomputation
+    ``remat``: :class:`Search`), the lowest predicted step that fits the budget kept; ``None`` where
+    none could beat ``beat`` seconds (and none failed)."""
     _check_offload(remat, mesh_spec)
-    if context is not None:
-        return sequence.search(trace, lambda t: _plan_pinned(t, mesh_spec, memory_budget, options, cache, setting,
-                                                              remat), mesh_spec, context, setting)
-    cands, deeper, untried = pipeline_search.rounds(mesh_spec, setting, trace, budget_for(memory_budget, mesh_spec))
-    if untried:
-        with Status() as line:
-            line.done(untried)
-    if deeper:
-        cands.append(None)            # here: deeper pipelines follow where nothing before fitted
-    best, failures, no_layers = None, [], False
+    sequence.check_with_pipeline(context, setting)
+    search = Search(families_for(setting, remat, context), lambda mesh: budget_for(memory_budget, mesh), options,
+                    cache, beat)
+    return search.run(Point(trace, mesh_spec))
 
-    met = {}             # the layer classes of the last trace, kept when its plan does not fit
 
-    def traced_in(cand, choices):
-        traced, sites = _trace_in(trace, cand.config, choices, cand.mesh.axis_names, cand.mesh.axis_sizes,
-                                  named=choices is remat)
-        met.clear()
-        met.update(sites)
-        return traced, sites
+def families_for(pipeline, remat, context) -> list[Family]:
+    """The families of one search, outermost first, with their settings (as the planner takes them).
+    The order is how their traces nest: the attention is routed inside the pipeline, and the
+    recomputation policies apply to the layers wherever they run."""
+    return [sequence.ContextFamily(context), pipeline_search.PipelineFamily(pipeline), recompute.RematFamily(remat)]
 
-    def plan_in(cand, choices, beat=math.inf, traced=None):
-        """The plan in ``cand`` under ``choices``; ``None`` where no plan can be faster than
-        ``beat`` seconds (the unconstrained optimum is not: under the budget it only gets slower on
-        the ILP's objective, and all but always on the prediction).
-        ``traced``: the step traced in ``cand`` (``traced_in``'s), if it was already."""
-        traced, sites = traced if traced is not None else traced_in(cand, choices)
-        budget = budget_for(memory_budget, cand.mesh)
-        # Where the plan without the budget does not fit and is no faster than ``beat``, the
-        # planner stops there (under the budget it only gets slower: a heuristic for the prediction).
-        p, graph = plan_traced(traced, cand.mesh, budget, options, cache, beat=beat)
-        if p.cost.step_s >= beat:
-            return None
-        return dataclasses.replace(p, pipeline=None if cand.config is None else cand.config.to_json(),
-                                   remat=_remat_record(sites, choices)), (graph, traced), sites
 
-    completed = []       # every plan that came back: the candidates each family's choice beat
+class Search:
+    """One search over the families (:mod:`shardplan.families`), outermost first: each family's
+    candidates, and inside each one every candidate of the families nested in it, down to a plan
+    of the step traced with every family's choice applied. Every candidate is planned to beat the
+    best plan so far of the whole search (the planner drops one whose step floor, then whose
+    unconstrained optimum, cannot: :func:`shardplan.planner.plan_jaxpr`), and the lowest predicted
+    step that fits the budget is kept."""
 
-    def keep(found, ties=False):
-        nonlocal best
-        for p, rest in found:
-            completed.append(p)
-            if best is None or p.cost.step_s < best[0].cost.step_s or ties and p.cost.step_s == best[0].cost.step_s:
-                best = (p, rest)
+    def __init__(self, families: list[Family], budget: Callable[[MeshSpec], int], options: PlannerOptions, cache,
+                 beat: float = math.inf):
+        self.families, self.budget, self.options, self.cache = families, budget, options, cache
+        self.best = None                 # (plan, (graph, traced step))
+        self.completed = []              # every plan that came back: the candidates each family's choice beat
+        self._beat = beat
 
-    # With pipelines to plan, the plan without one is made on a thread alongside the deepest
-    # stage count's (CP-SAT, most of its time, lets go of the interpreter) and joins the best
-    # so far only after them: the same point whatever the machine, so the plan does not depend
-    # on how fast either finishes.
-    alongside, deepest = None, next((c.config.stages for c in cands if c is not None and c.config is not None), None)
+    @property
+    def beat(self) -> float:
+        """Seconds a plan must beat to be wanted: the best so far's, or what the search was started with."""
+        return min(self._beat, self.best[0].cost.step_s if self.best is not None else math.inf)
 
-    def join_alongside():
-        nonlocal alongside
-        if alongside is None:
-            return
+    def run(self, point: Point) -> tuple[Plan, tuple] | None:
+        """The best plan (each family's :meth:`~shardplan.families.Family.finish` applied); ``None``
+        where every candidate was only slower than the ``beat`` it was started with. Raises the error
+        of the candidate that needed the least memory where nothing fitted."""
+        outcome = self._explore(0, point)
+        if self.best is None:
+            if outcome.error is None:
+                if self._beat == math.inf:
+                    raise ShardplanError("no candidate plan was made: a family gave none")
+                return None
+            error = outcome.error
+            for family in self.families:
+                error = family.explain(error)
+            raise error
+        plan, rest = self.best
+        for family in self.families:
+            plan = family.finish(plan, self.completed)
+        return plan, rest
+
+    def _explore(self, k: int, point: Point) -> Outcome:
+        """The best plan at ``point`` over the candidates of family ``k`` and those nested in it."""
+        if k == len(self.families):
+            return self._leaf(point)
+        family = self.families[k]
+        walk = family.explore(point, self, alone=all(f.pinned() for f in self.families[k + 1:]))
+        best, failures, pending, sent = None, [], None, None
         try:
-            got = alongside()
-        except InfeasibleBudgetError as e:
-            alongside = None
-            failures.append(e)
-            with Status() as line:
-                line.done("without a pipeline (planned alongside): no plan fits the budget")
-            return
-        alongside = None
-        with Status() as line:
-            line.done(f"without a pipeline (planned alongside): {got[0].solver.status}, predicted step "
-                      f"{got[0].cost.step_s * 1e3:.3f} ms")
-        keep([got[:2]], ties=True)           # the same step: no pipeline is the simpler plan
-
-    try:
-        for k, cand in enumerate(cands):
-            if alongside is not None and (cand is None or cand.config is None or cand.config.stages != deepest):
-                join_alongside()
-            if cand is None:
-                if best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
-                    with Status() as line:
-                        line.done("no pipeline of up to 16 stages fits: trying deeper ones")
-                    cands += deeper
-                continue
-            if cand.config is not None and len(cands) > 1:
-                with Status() as line:
-                    line.done(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
-            try:
-                if remat != "auto" and cand.config is None and deepest is not None:
-                    alongside = _on_thread(functools.partial(plan_in, cand, remat, traced=traced_in(cand, remat)))
-                    with Status() as line:
-                        line.done(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next "
-                                  f"({deepest} stages)")
+            while True:
+                try:
+                    choice = walk.send(sent)
+                except StopIteration:
+                    if pending is None:
+                        break
+                    choice = JOIN            # a candidate planned alongside joins at the family's end
+                if choice is JOIN:
+                    sent, pending = self._join(pending), None
+                elif isinstance(choice, Alongside):
+                    sent, pending = None, self._alongside(k, family.enter(choice.choice, point))
                     continue
-                if remat != "auto":
-                    got = plan_in(cand, remat, best[0].cost.step_s if best is not None and cand.config else math.inf)
-                    found = [] if got is None else [got[:2]]      # None: no faster than the best so far
                 else:
-                    made = {}
+                    try:
+                        sent = self._explore(k + 1, family.enter(choice, point))
+                    except (InfeasibleBudgetError, *family.errors) as e:
+                        sent = Outcome(None, e)
+                if sent.error is not None:
+                    failures.append(sent.error)
+                if sent.plan is not None and (best is None or sent.plan.cost.step_s < best.cost.step_s):
+                    best = sent.plan
+        except BaseException:            # Ctrl-C, or an error: a plan made alongside is given up
+            if pending is not None:
+                pending[0].stop()
+            raise
+        return Outcome(best, None if best is not None else _least(failures))
 
-                    def evaluate(choices, beat=math.inf, cand=cand, made=made):
-                        try:
-                            found = plan_in(cand, choices, beat)
-                        except InfeasibleBudgetError as e:
-                            failures.append(e)
-                            return None
-                        if found is None:
-                            return None
-                        made[id(found[0])] = found[:2]
-                        return found[0]
+    def _leaf(self, point: Point) -> Outcome:
+        traced = point.trace()
+        beat = self.beat
+        plan, graph = plan_traced(traced, point.mesh, self.budget(point.mesh), self.options, self.cache, beat=beat)
+        if plan.cost.step_s >= beat:
+            return Outcome()             # no faster than the best so far
+        plan = self._recorded(plan, point)
+        self._keep(plan, (graph, traced))
+        return Outcome(plan)
 
-                    def say(text):
-                        with Status() as line:
-                            line.done(f"recomputation candidate: {text}")
+    def _alongside(self, k: int, point: Point):
+        """The plan at ``point`` started on a thread (every family inside ``k`` pinned: one plan),
+        after its trace on this one (tracing patches jax's functions)."""
+        for family in self.families[k + 1:]:
+            point = family.enter(next(family.explore(point, self)), point)
+        traced = point.trace()
+        work = _on_thread(lambda: plan_traced(traced, point.mesh, self.budget(point.mesh), self.options, self.cache))
+        return work, point, traced
 
-                    first = evaluate({})                 # the step as written: meets its layer classes
-                    sites = dict(met)
-                    no_layers = no_layers or not sites
-                    if sites:
-                        _, first, _ = recompute.search(evaluate, sites, say=say, first=first,
-                                                       policies=recompute.policies_for(host_apart(cand.mesh)),
-                                                       unrolled_saves=compiler_kind(cand.mesh) != "cpu")
-                    completed.extend(p for p, _ in made.values() if p is not first)
-                    found = [] if first is None else [made[id(first)]]
-            except (PipelineError, InfeasibleBudgetError) as e:
-                failures.append(e)
-                if isinstance(e, NoLayerStackError):
-                    break              # no other pipeline applies either
-                continue
-            keep(found)
-        join_alongside()
-    except BaseException:                # Ctrl-C, or an error: the plan made alongside is given up
-        if alongside is not None:
-            alongside.stop()
-        raise
-    if best is None:
-        # The least memory any candidate needed, else why none applied.
-        infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
-        error = min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
-        if remat == "auto" and no_layers and isinstance(error, InfeasibleBudgetError):
-            error.no_layers = True
-        raise error
-    if untried:
-        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (untried,)), best[1])
-    searched = dict(best[0].searched)
-    if any(c is not None and c.config is not None for c in cands):
-        searched["pipeline"] = runner_up(completed, best[0], "pipeline")
-    if remat == "auto" and (best[0].remat or {}).get("sites"):
-        searched["remat"] = runner_up(completed, best[0], "remat")
-    best = (dataclasses.replace(best[0], searched=searched), best[1])
-    unrolled = {k for k, site in met.items() if not site.scanned} if compiler_kind(mesh_spec) == "cpu" else set()
-    wasted = [s["where"] for s in (best[0].remat or {}).get("sites", [])
-              if s["key"] in unrolled and s["policy"] not in ("none", recompute.USER)]
-    if wasted:
-        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            f"remat={remat!r} recomputes the unrolled layers at {', '.join(wasted)}, but {recompute.CPU_UNROLLED}: "
-            "the predicted memory counts a saving this compiler does not make",)), best[1])
-    if (no_layers or remat not in (None, "auto")) and not (best[0].remat or {}).get("sites"):
-        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            f"remat={remat!r}: {NO_LAYERS}, so no layer's recomputation could be "
-            + ("chosen" if remat == "auto" else "set") + "; the step is planned as written",)), best[1])
-    return best
+    def _join(self, pending) -> Outcome:
+        work, point, traced = pending
+        try:
+            plan, graph = work()
+        except InfeasibleBudgetError as e:
+            return Outcome(None, e)
+        plan = self._recorded(plan, point)
+        self._keep(plan, (graph, traced), ties=True)        # the same step: no pipeline is the simpler plan
+        return Outcome(plan)
+
+    @staticmethod
+    def _recorded(plan: Plan, point: Point) -> Plan:
+        for family, choice, note in point.chosen:
+            plan = family.record(plan, choice, note)
+        return plan
+
+    def _keep(self, plan: Plan, rest: tuple, ties: bool = False) -> None:
+        self.completed.append(plan)
+        best = self.best
+        if best is None or plan.cost.step_s < best[0].cost.step_s or ties and plan.cost.step_s == best[0].cost.step_s:
+            self.best = (plan, rest)
+
+
+def _least(failures: list) -> BaseException | None:
+    """Of the candidates' errors, the one that needed the least memory, else the first (``None``: none)."""
+    infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
+    if infeasible:
+        return min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf"))
+    return failures[0] if failures else None
 
 
 def _on_thread(work: Callable[[], object]) -> Callable[[], object]:
@@ -319,14 +260,16 @@ def _on_thread(work: Callable[[], object]) -> Callable[[], object]:
 
 
 def traced_as_planned(trace: Callable[[], TracedStep], plan: Plan) -> TracedStep:
-    """The step traced as ``plan`` was made: inside its pipeline, if it has one, with its recomputation."""
-    choices = None if plan.remat is None else {s["key"]: s["policy"] for s in plan.remat["sites"]}
-    if plan.context is not None:
-        trace = sequence.traced_in(trace, plan.context_config(), plan.axis_names, plan.axis_sizes)
+    """The step traced as ``plan`` was made: each family's recorded choice entered as the search
+    entered it (its attention split, inside its pipeline, with its recomputation)."""
+    point = Point(trace, types.SimpleNamespace(axis_names=plan.axis_names, axis_sizes=plan.axis_sizes))
+    for family in families_for(None, None, None):
+        point = family.enter(family.from_plan(plan, point), point)
     try:
-        traced, sites = _trace_in(trace, plan.pipeline_config(), choices, plan.axis_names, plan.axis_sizes)
+        traced = point.trace()
     except NoLayerStackError as e:
         raise PlanMismatchError(f"the plan pipelines a layer stack, but in this step {e}") from None
+    sites = point.chosen[-1][2]
     missing = [s["where"] for s in (plan.remat or {}).get("sites", ()) if s["key"] not in sites]
     if missing:
         raise PlanMismatchError(f"the plan recomputes the layer class at {missing[0]}, which this step does not "

@@ -31,6 +31,8 @@ from shardplan import einsum_attention
 from shardplan.context import LoadBalance, Strategy
 from shardplan.defaults import runner_up
 from shardplan.errors import ShardplanError
+from shardplan.families import Family
+from shardplan.progress import Status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,61 +245,82 @@ def check_setting(setting):
     raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
 
 
-def search(trace, plan_one, mesh_spec, setting, pipeline=None):
-    """``(plan, rest)``: the step planned by ``plan_one(trace)`` (the planner's own search)
-    for each configuration of ``setting`` (``"auto"``: no split and every :func:`candidates`
-    entry; a :class:`ContextConfig`: that one), the lowest predicted step that fits kept, with
-    ``plan.context`` set."""
-    from shardplan.errors import InfeasibleBudgetError
-    from shardplan.progress import Status
-    if pipeline not in (None, "off"):
+def check_with_pipeline(setting, pipeline) -> None:
+    """Refuse ``context=setting`` with a pipeline (``pipeline`` as the planner takes it)."""
+    if setting is not None and pipeline not in (None, "off"):
         raise ShardplanError(f"context={setting!r} with pipeline={pipeline!r}: context parallelism is not planned "
                              "together with a pipeline yet; pass pipeline='off' or context='off'")
-    names, sizes = mesh_spec.axis_names, mesh_spec.axis_sizes
-    use = Use()
-    if isinstance(setting, ContextConfig):
-        configs = [setting]
-    elif setting == "auto":
-        traced_in(trace, None, names, sizes, use)()          # which attention calls the step makes
-        configs = [None] + candidates(use.sites, dict(zip(names, sizes)))
-    else:
-        raise ShardplanError(f"context={setting!r}: give 'auto', 'off' (or None), or a shardplan.ContextConfig")
-    best, failures, completed = None, [], []
-    for k, config in enumerate(configs):
-        if len(configs) > 1:
-            with Status() as line:
-                line.done(f"context candidate {k + 1}/{len(configs)}: "
-                          f"{'no sequence split' if config is None else config.describe()}")
+
+
+class ContextFamily(Family):
+    """Sequence splits as a :class:`~shardplan.families.Family`: ``"auto"``, no split and every
+    :func:`candidates` entry for the attention calls the step makes; a :class:`ContextConfig`, that
+    one; ``None``: the step as written."""
+
+    name = "context"
+    errors = (cp.ContextParallelError,)
+
+    def __init__(self, setting):
+        super().__init__(setting)
+        self.sites = None            # the attention calls "auto" found
+        self.configs = 1
+
+    def pinned(self) -> bool:
+        return self.setting != "auto"
+
+    def explore(self, point, search, alone: bool = True):
+        if self.setting is None:
+            yield None
+            return
+        if isinstance(self.setting, ContextConfig):
+            configs = [self.setting]
+        elif self.setting == "auto":
+            use = Use()
+            traced_in(point.trace, None, point.axis_names, point.axis_sizes, use)()   # the attention calls made
+            self.sites = use.sites
+            configs = [None] + candidates(use.sites, dict(zip(point.axis_names, point.axis_sizes)))
+        else:
+            raise ShardplanError(f"context={self.setting!r}: give 'auto', 'off' (or None), or a "
+                                 "shardplan.ContextConfig")
+        self.configs = len(configs)
+        for k, config in enumerate(configs):
+            if len(configs) > 1:
+                with Status() as line:
+                    line.done(f"context candidate {k + 1}/{len(configs)}: "
+                              f"{'no sequence split' if config is None else config.describe()}")
+            yield config
+
+    def enter(self, config, point):
+        if config is None:        # no split: the step as written, traced as the plan will be applied (no routing)
+            return point.entered(self, None)
         met = Use()
-        try:
-            # no split: the step as written, traced as the plan will be applied (no routing)
-            p, rest = plan_one(trace if config is None else traced_in(trace, config, names, sizes, met))
-        except (InfeasibleBudgetError, cp.ContextParallelError) as e:
-            failures.append(e)
-            continue
+        return point.entered(self, config, met, trace=traced_in(point.trace, config, point.axis_names,
+                                                                 point.axis_sizes, met))
+
+    def record(self, plan, config, met):
         if config is not None and not met.sites:
             # asked for by name, but nothing in the step is split: the plan is the step as written
-            p = dataclasses.replace(p, context=None, warnings=p.warnings + (
+            return dataclasses.replace(plan, context=None, warnings=plan.warnings + (
                 f"context={config.describe()!r}: {_NOTHING_TO_SPLIT}; the step is planned as written",))
-        else:
-            p = dataclasses.replace(p, context=None if config is None else config.to_json())
-        completed.append(p)
-        if best is None or p.cost.step_s < best[0].cost.step_s:
-            best = (p, rest)
-    if best is None:
-        infeasible = [e for e in failures if isinstance(e, InfeasibleBudgetError)]
-        error = min(infeasible, key=lambda e: e.min_feasible_bytes or float("inf")) if infeasible else failures[0]
-        if setting == "auto" and not use.sites and error.args:
+        return dataclasses.replace(plan, context=None if config is None else config.to_json())
+
+    def from_plan(self, plan, point):
+        return None if plan.context is None else plan.context_config()
+
+    def finish(self, plan, completed):
+        if self.configs > 1:
+            plan = dataclasses.replace(plan, searched={**plan.searched,
+                                                       "context": runner_up(completed, plan, "context")})
+        if self.setting == "auto" and not self.sites:
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (
+                f"context='auto': {_NOTHING_TO_SPLIT}, so no sequence split could be chosen; the step is planned as "
+                "written",))
+        return plan
+
+    def explain(self, error):
+        if self.setting == "auto" and not self.sites and error.args:
             error.args = (f"{error.args[0]}\n(context='auto' could not help: {_NOTHING_TO_SPLIT})",) + error.args[1:]
-        raise error
-    if len(configs) > 1:
-        best = (dataclasses.replace(best[0], searched={**best[0].searched,
-                                                       "context": runner_up(completed, best[0], "context")}), best[1])
-    if setting == "auto" and not use.sites:
-        best = (dataclasses.replace(best[0], warnings=best[0].warnings + (
-            f"context='auto': {_NOTHING_TO_SPLIT}, so no sequence split could be chosen; the step is planned as "
-            "written",)), best[1])
-    return best
+        return error
 
 
 _NOTHING_TO_SPLIT = ("the step has no attention the planner can split (a shardplan.attention or "

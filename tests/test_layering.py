@@ -17,7 +17,7 @@ LAYERS = {
     "hardware": "mesh hardware targets splitk cluster calibrate",
     "compiler models": "cost liveness combine traffic bf16_pass xla_bugs tables hlo audit",
     "traced program": "trace walk manual rewrites rules strategies apply",
-    "families": "recompute unrolled pipeline pipeline_search einsum_attention context sequence defaults",
+    "families": "families recompute unrolled pipeline pipeline_search einsum_attention context sequence defaults",
     "solve": "simplify solver tying exact",
     "plan": "plan planner cache multihost checkpoint fit",
     "search": "search",
