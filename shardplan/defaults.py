@@ -55,8 +55,9 @@ def _less(e: Exception, written: InfeasibleBudgetError) -> bool:
 
 
 def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat, context, written=None):
-    """``(plan, rest)`` from ``plan_pinned(pipeline, remat, context, beat)`` (each setting as the
-    planner takes it: ``None`` for none; ``None`` back where no plan could beat ``beat`` seconds)
+    """``(plan, rest)`` from ``plan_pinned(pipeline, remat, context, beat, written)`` (each setting
+    as the planner takes it: ``None`` for none; ``None`` back where no plan could beat ``beat``
+    seconds; ``written``: why the step exactly as written does not fit, where known)
     with the defaults above applied to the settings left at ``None``. ``written``: the step as
     written already planned, or its :class:`InfeasibleBudgetError`."""
     first_pipeline = pipeline_default(mesh, pipeline, context)
@@ -64,7 +65,7 @@ def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat,
     as_context = None if context in (None, "off") else context
     if written is None:
         try:
-            return plan_pinned(first_pipeline, as_remat, as_context, math.inf)
+            return plan_pinned(first_pipeline, as_remat, as_context, math.inf, None)
         except InfeasibleBudgetError as e:
             written = e
     if not isinstance(written, InfeasibleBudgetError):
@@ -83,13 +84,15 @@ def planned(plan_pinned: Callable, mesh: MeshSpec, budget: int, pipeline, remat,
         written.args = (f"{written.args[0]}\n({why})",) + written.args[1:]
         raise written
     found, failed = [], [("the step as written", written)]
+    # Where the first plan was the step exactly as written, a try that meets it again knows it does not fit.
+    known = written if first_pipeline is None and as_remat is None and as_context is None else None
     helped = set()                         # the families that alone needed less memory than the step as written
 
     def attempt(t: _Try) -> None:
         # Each try planned to beat the best plan of the tries before it: one that cannot is dropped early.
         beat = min((plan.cost.step_s for _, (plan, _) in found), default=math.inf)
         try:
-            got = plan_pinned(t.pipeline, t.remat, t.context, beat)
+            got = plan_pinned(t.pipeline, t.remat, t.context, beat, known)
         except ShardplanError as e:        # over the budget, or the family does not apply (no attention, no stack)
             failed.append((t.label, e))
             if _less(e, written):

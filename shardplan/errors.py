@@ -33,6 +33,16 @@ class InfeasibleBudgetError(ShardplanError):
         self.largest_tensors = largest_tensors
         self.floor_bytes = floor_bytes
 
+    def __reduce__(self):
+        # copy and pickle: rebuilt from its message and attributes (its keyword-only ones included).
+        return _rebuilt, (type(self), self.args), dict(self.__dict__)
+
+
+def _rebuilt(cls, args):
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    return error
+
 
 class PlanMismatchError(ShardplanError, ValueError):
     """A plan is applied to arguments of another structure, shape or dtype than it was made for."""

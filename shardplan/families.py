@@ -99,6 +99,10 @@ class Family:
         ``search`` has ``best`` (the best plan so far, by any family, or ``None``) and ``budget(mesh)``."""
         yield None
 
+    def as_written(self, choice) -> bool:
+        """Whether ``choice`` leaves the step as written (no pipeline, no recomputation traced, no split)."""
+        return choice is None
+
     def from_plan(self, plan, point: Point):
         """The choice ``plan`` records (:meth:`record`'s), to :meth:`enter` it again at ``point``: a
         saved plan's step is traced as it was made."""

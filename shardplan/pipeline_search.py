@@ -138,15 +138,15 @@ def candidates(mesh: MeshSpec, setting, stack: StackSite | None = None,
     return out
 
 
-def probe(trace) -> tuple[StackSite | None, list[str]]:
-    """``(the step's layer stack, why its other layer stacks cannot be pipelined)``, from tracing
-    it outside a pipeline: a :func:`~shardplan.pipeline.layer_scan` or a plain loop recognised as
-    one (:func:`~shardplan.pipeline.recognising`); ``None`` where it has none, or more than one of
-    different shapes."""
+def probe(trace) -> tuple[StackSite | None, list[str], int]:
+    """``(the step's layer stack, why its other layer stacks cannot be pipelined, how many stacks a
+    pipeline could split)``, from tracing it outside a pipeline: a :func:`~shardplan.pipeline.layer_scan`
+    or a plain loop recognised as one (:func:`~shardplan.pipeline.recognising`); the stack is ``None``
+    where it has none, or more than one of different shapes."""
     with seen_stacks() as seen, recognising():
         trace()
     sites = seen.sites
-    return (sites[0] if sites and len(set(sites)) == 1 else None), seen.refused
+    return (sites[0] if sites and len(set(sites)) == 1 else None), seen.refused, len(sites)
 
 
 def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) \
@@ -158,7 +158,11 @@ def rounds(mesh: MeshSpec, setting, trace, budget_bytes: float) \
     searches stage counts. Each list is in :func:`_promise` order. The reason is ``None`` unless
     ``"auto"`` found a layer stack but no stage count to split it in."""
     searched = setting == "auto" or isinstance(setting, int) and not isinstance(setting, bool)
-    stack, refused = probe(trace) if searched else (None, [])
+    stack, refused, splittable = probe(trace) if searched else (None, [], 0)
+    if setting == "auto" and not splittable:
+        # No stack a pipeline can split: no pipeline is planned (each would say so, NoLayerStackError).
+        return [Candidate(None, mesh)], [], ("pipeline='auto' tried no pipeline: " + "; ".join(refused)
+                                             if refused else None)
     first = sorted(candidates(mesh, setting, stack, budget_bytes), key=_promise)
     if setting != "auto":
         return first, [], None

@@ -7,6 +7,7 @@ budget kept (:class:`Search`); the defaults that decide which families are searc
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import types
@@ -85,20 +86,23 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     written. ``written``: the step as written already planned (``(plan, rest)``) or found not to
     fit (its :class:`InfeasibleBudgetError`)."""
     return defaults.planned(
-        lambda p, r, c, beat: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c, beat),
+        lambda p, r, c, beat, known: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c, beat,
+                                                  known),
         mesh_spec, budget_for(memory_budget, mesh_spec), setting, remat, context, written)
 
 
 def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,
-                 cache, setting, remat=None, context=None, beat: float = math.inf) -> tuple[Plan, tuple] | None:
+                 cache, setting, remat=None, context=None, beat: float = math.inf,
+                 written: InfeasibleBudgetError | None = None) -> tuple[Plan, tuple] | None:
     """``(plan, (graph, traced step))``: the step planned for every candidate the families ask for
     with these settings (a sequence split ``context``, a pipeline ``setting``, recomputation
     ``remat``: :class:`Search`), the lowest predicted step that fits the budget kept; ``None`` where
-    none could beat ``beat`` seconds (and none failed)."""
+    none could beat ``beat`` seconds (and none failed). ``written``: why the step as written does
+    not fit, known already (it is not planned again)."""
     _check_offload(remat, mesh_spec)
     sequence.check_with_pipeline(context, setting)
     search = Search(families_for(setting, remat, context), lambda mesh: budget_for(memory_budget, mesh), options,
-                    cache, beat)
+                    cache, beat, written)
     return search.run(Point(trace, mesh_spec))
 
 
@@ -118,11 +122,12 @@ class Search:
     step that fits the budget is kept."""
 
     def __init__(self, families: list[Family], budget: Callable[[MeshSpec], int], options: PlannerOptions, cache,
-                 beat: float = math.inf):
+                 beat: float = math.inf, written: InfeasibleBudgetError | None = None):
         self.families, self.budget, self.options, self.cache = families, budget, options, cache
         self.best = None                 # (plan, (graph, traced step))
         self.completed = []              # every plan that came back: the candidates each family's choice beat
         self._beat = beat
+        self._written = written          # why the step as written does not fit, where known
 
     @property
     def beat(self) -> float:
@@ -184,6 +189,8 @@ class Search:
         return Outcome(best, None if best is not None else _least(failures))
 
     def _leaf(self, point: Point) -> Outcome:
+        if self._written is not None and all(f.as_written(c) for f, c, _ in point.chosen):
+            raise copy.copy(self._written)        # the step as written: planned before, and over the budget
         traced = point.trace()
         beat = self.beat
         plan, graph = plan_traced(traced, point.mesh, self.budget(point.mesh), self.options, self.cache, beat=beat)
