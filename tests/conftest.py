@@ -17,7 +17,7 @@ if "SHARDPLAN_CACHE_DIR" not in os.environ:
 FAST_FILES = frozenset(f"test_{name}.py" for name in """
     api audit checkpoint cli constraints context cost einsum_attention exact footprint graph hardware hlo layout
     liveness loop_ties manual mesh moe_sort offload plan_files planner recompute relayout rewrites sizes solver
-    splitk tpu_bf16_pass traffic unrolled weak_scaling xla_bugs layering families""".split())
+    splitk tpu_bf16_pass traffic unrolled weak_scaling xla_bugs layering families fidelity""".split())
 
 
 def pytest_collection_modifyitems(config, items):
