@@ -94,9 +94,10 @@ class Family:
         """Whether the setting gives one candidate without searching."""
         return True
 
-    def explore(self, point: Point, search) -> Generator[Any, Outcome | None, None]:
+    def explore(self, point: Point, search, alone: bool = True) -> Generator[Any, Outcome | None, None]:
         """The candidates to plan at ``point``; each ``yield`` is sent its :class:`Outcome`.
-        ``search`` has ``best`` (the best plan so far, by any family, or ``None``) and ``budget(mesh)``."""
+        ``search`` has ``best`` (the best plan so far, by any family, or ``None``) and ``budget(mesh)``;
+        ``alone``: every family nested inside is pinned, so a candidate may be planned :class:`Alongside`."""
         yield None
 
     def as_written(self, choice) -> bool:
