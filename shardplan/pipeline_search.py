@@ -29,7 +29,7 @@ from shardplan.pipeline import (
     recognising,
     seen_stacks,
 )
-from shardplan.progress import Status
+from shardplan.progress import said
 
 STAGE_AXIS = "stage"
 MAX_AUTO_STAGES = 16
@@ -228,7 +228,7 @@ class PipelineFamily(Family):
     def explore(self, point, search, alone: bool = True):
         cands, deeper, self.untried = rounds(point.mesh, self.setting, point.trace, search.budget(point.mesh))
         if self.untried:
-            _say(self.untried)
+            said(self.untried)
         if not cands:
             raise PipelineError(f"pipeline={self.setting!r}: no pipeline of this setting splits the step (its batch "
                                 "has fewer rows than stages); give a batch with a row for every stage, or "
@@ -243,10 +243,10 @@ class PipelineFamily(Family):
             if cand.config is None and deepest is not None and alone:
                 pending = True
                 yield Alongside(cand)
-                _say(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next ({deepest} stages)")
+                said(f"pipeline candidate 1/{len(cands)}: none, planned alongside the next ({deepest} stages)")
                 continue
             if cand.config is not None and len(cands) > 1:
-                _say(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
+                said(f"pipeline candidate {k + 1}/{len(cands)}: {cand.config.describe()}")
             outcome = yield cand
             if outcome.error is not None:
                 failures.append(outcome.error)
@@ -257,10 +257,10 @@ class PipelineFamily(Family):
         if isinstance(failures[-1] if failures else None, NoLayerStackError):
             return
         if deeper and search.best is None and all(isinstance(e, InfeasibleBudgetError) for e in failures):
-            _say(f"no pipeline of up to {MAX_AUTO_STAGES} stages fits: trying deeper ones")
+            said(f"no pipeline of up to {MAX_AUTO_STAGES} stages fits: trying deeper ones")
             self.searched = True
             for cand in deeper:
-                _say(f"pipeline candidate: {cand.config.describe()}")
+                said(f"pipeline candidate: {cand.config.describe()}")
                 yield cand
 
     def enter(self, cand: Candidate, point):
@@ -292,14 +292,11 @@ class PipelineFamily(Family):
         return plan
 
 
-def _say(text: str) -> None:
-    with Status() as line:
-        line.done(text)
 
 
 def _said_alongside(outcome) -> None:
     if outcome.plan is not None:
-        _say(f"without a pipeline (planned alongside): {outcome.plan.solver.status}, predicted step "
+        said(f"without a pipeline (planned alongside): {outcome.plan.solver.status}, predicted step "
              f"{outcome.plan.cost.step_s * 1e3:.3f} ms")
     elif isinstance(outcome.error, InfeasibleBudgetError):
-        _say("without a pipeline (planned alongside): no plan fits the budget")
+        said("without a pipeline (planned alongside): no plan fits the budget")

@@ -92,3 +92,9 @@ class Status:
 
     def __exit__(self, *exc) -> None:
         self.close()       # an error or Ctrl-C never lands on the end of a status line
+
+
+def said(text: str) -> None:
+    """One finished status line (:meth:`Status.done`), where progress is shown."""
+    with Status() as line:
+        line.done(text)

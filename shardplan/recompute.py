@@ -44,7 +44,7 @@ from shardplan import stacks
 from shardplan.defaults import runner_up
 from shardplan.errors import ShardplanError
 from shardplan.families import Family
-from shardplan.progress import Status
+from shardplan.progress import said
 from shardplan.targets import compiler_kind
 
 # Named policies -> jax.checkpoint_policies attribute; ordered from the least device memory saved to the most.
@@ -407,7 +407,7 @@ class RematFamily(Family):
             return
         host = compiler_kind(point.mesh) != "cpu"
         walk = assignments(sites, first=written.plan, policies=policies_for(host), unrolled_saves=host,
-                           say=lambda text: _say(f"recomputation candidate: {text}"))
+                           say=lambda text: said(f"recomputation candidate: {text}"))
         plan = None
         while True:
             try:
@@ -465,8 +465,3 @@ class RematFamily(Family):
         if self.setting == "auto" and self.no_layers:
             error.no_layers = True
         return error
-
-
-def _say(text: str) -> None:
-    with Status() as line:
-        line.done(text)
