@@ -11,7 +11,8 @@ device (:mod:`shardplan.footprint`: on a TPU, temp is the heap libtpu's buffer a
 Compiling on CPU (fake devices) differs from a GPU or TPU compile in known ways, which the audit
 names in ``notes`` rather than hiding: the CPU backend emits a reduce-scatter as an all-reduce
 whose users keep only their slice (read here as the reduce-scatter an accelerator emits), and it
-runs bf16 collectives in f32 (compiled bytes of bf16 tensors are doubled).
+computes bf16 in f32, its collectives and temporaries (a plan for a CPU mesh prices them so; one
+for a GPU or TPU compiled on CPU sees their bytes doubled).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardplan.hlo import Collective, collectives, dot_flops
 from shardplan.layout import HEAP_ALIGN
 from shardplan.mesh import MeshSpec
 from shardplan.sizes import format_bytes
+from shardplan.targets import compiler_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +193,13 @@ def audit(plan, compiled, mesh: MeshSpec, jax_mesh=None, *, platform: str | None
             notes.append(f"CPU compile: {sum(c.count for c in read):.0f} all-reduce runs whose users keep only "
                          f"their slice are read as the reduce-scatters a GPU/TPU compile emits "
                          f"({format_bytes(sum(c.nbytes * c.count for c in read))})")
-        if any(r.dtype == "bfloat16" for r in plan.inputs):
+        if any(r.dtype == "bfloat16" for r in plan.inputs) and compiler_kind(mesh) == "cpu":
+            notes.append("CPU compile: bf16 is computed in f32: the plan holds the bf16 temporaries the step makes "
+                         "and prices its bf16 collectives as f32, as this compiler runs them")
+        elif any(r.dtype == "bfloat16" for r in plan.inputs):
             notes.append("CPU compile: bf16 is computed in f32, so the compiled collective bytes and temporaries of "
-                         "bf16 tensors are doubled (memory and bytes are not comparable); audit fp32 models on CPU")
+                         "bf16 tensors are doubled (memory and bytes are not comparable with this plan for "
+                         f"{mesh.device.name}); audit fp32 models on CPU")
     return Audit(platform, comms, by_kind, by_axis, memory, dot_flops(text), tuple(notes),
                  host if host.predicted_bytes or host.compiled_bytes else None)
 

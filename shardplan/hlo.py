@@ -254,20 +254,30 @@ def _real(bodies):
 
 
 def _sliced_read(fused: list[str], index: int, full: float) -> float:
-    """Bytes a fusion reads of parameter ``index``: only the slices, if slices are all that use it."""
+    """Bytes a fusion reads of parameter ``index``: only the slices, if slices are all that use it
+    (directly, or through a whole ``convert``: XLA's CPU compiler widens bfloat16 first)."""
     param = next((d.group(1) for ln in fused[1:] if re.search(r"\bparameter\(" + str(index) + r"\)", ln)
                   for d in [_DEF.match(ln)] if d), None)
-    if param is None:
-        return full
-    users = [ln for ln in fused[1:] if re.search(r"[(, ]%" + re.escape(param) + r"[,)]", ln)]
+    return full if param is None else full * _kept_share(fused, param, full)
+
+
+def _kept_share(fused: list[str], name: str, nbytes: float) -> float:
+    """The share of value ``name`` (of ``nbytes``) that the slices reading it keep, directly or
+    through a whole ``convert``; 1 where anything else reads it."""
+    users = [ln for ln in fused[1:] if re.search(r"[(, ]%" + re.escape(name) + r"[,)]", ln)]
+    if not users or nbytes <= 0:
+        return 1.0
     kept = 0.0
     for ln in users:
         m = _OP.match(ln)
-        if not m or m.group(3) not in ("dynamic-slice", "slice", "gather") or \
-                not re.search(r"\(%" + re.escape(param) + r"[,)]", ln):
-            return full
-        kept += _shape_bytes(m.group(2))
-    return min(full, kept) if users else full
+        if m and m.group(3) == "convert":
+            kept += _kept_share(fused, m.group(1), _shape_bytes(m.group(2)))
+        elif m and m.group(3) in ("dynamic-slice", "slice", "gather") and \
+                re.search(r"\(%" + re.escape(name) + r"[,)]", ln):
+            kept += _shape_bytes(m.group(2)) / nbytes       # a slice keeps its value's dtype
+        else:
+            return 1.0
+    return min(1.0, kept)
 
 
 def _in_place(fused: list[str]) -> tuple[set[int], float] | None:
@@ -466,7 +476,12 @@ def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int,
     for ln in users:
         m, d = _OP.match(ln), _DEF.match(ln)
         callee = re.search(r"calls=%?([\w.\-]+)", ln)
-        if m and m.group(3) == "fusion" and callee and bodies and callee.group(1) in bodies:
+        if m and d and _converts(m, callee, bodies):
+            # A whole convert (XLA's CPU compiler reduces bfloat16 in float32, then converts back):
+            # what its users keep of it is what is kept of the reduction.
+            if not _users_shrink(lines, d.group(1), _shape_bytes(d.group(2)), factor, bodies):
+                return False
+        elif m and m.group(3) == "fusion" and callee and bodies and callee.group(1) in bodies:
             operands = re.findall(r"%([\w.\-]+)", m.group(4))
             kept = sum(_sliced_read(bodies[callee.group(1)], i, nbytes) for i, o in enumerate(operands) if o == name)
             if kept * factor > nbytes * 1.01:
@@ -474,6 +489,18 @@ def _users_shrink(lines: list[str], name: str, nbytes: float, factor: int,
         elif d is None or _shape_bytes(d.group(2)) * factor > nbytes * 1.01:
             return False
     return True
+
+
+def _converts(op, callee, bodies) -> bool:
+    """Whether instruction ``op`` (an :data:`_OP` match) converts its one operand whole: a
+    ``convert``, or a fusion of nothing else."""
+    if op.group(3) == "convert":
+        return True
+    if op.group(3) != "fusion" or not callee or not bodies or callee.group(1) not in bodies:
+        return False
+    ops = [_OP.match(ln) for ln in bodies[callee.group(1)][1:] if ln.strip() and ln.strip() != "}"]
+    return bool(ops) and all(o is not None and o.group(3) in ("parameter", "convert") for o in ops) \
+        and sum(o.group(3) == "parameter" for o in ops) == 1
 
 
 _SPLIT_CALL = re.compile(r"%async-collective-(?:start|done)[\w.\-]* = .* fusion\(.*calls=%?([\w.\-]+)")

@@ -84,6 +84,12 @@ def _nbytes(aval) -> float:
     return float(math.prod(aval.shape) * aval.dtype.itemsize)
 
 
+def _moved(aval, cpu: bool) -> float:
+    """Bytes a collective moves of a value: float32's 4 an element for bfloat16 on XLA's CPU
+    compiler (:meth:`shardplan.strategies.Enumerator.wire`)."""
+    return 2 * _nbytes(aval) if cpu and aval.dtype.name == "bfloat16" else _nbytes(aval)
+
+
 def _axes(name) -> tuple[str, ...]:
     return (name,) if isinstance(name, str) else tuple(name)
 
@@ -94,7 +100,7 @@ def _add(into: dict, other: Mapping, times: float) -> None:
 
 
 def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen: dict | None = None,
-               results: tuple = (), gpu: Gpu | None = None) -> BodyCosts:
+               results: tuple = (), gpu: Gpu | None = None, cpu: bool = False) -> BodyCosts:
     """The collectives and matmuls of one run of a manual body (a ``jax.core.Jaxpr`` on
     per-device shapes). A ``scan`` counts its body ``length`` times; of a ``cond``'s branches the
     costliest counts (the slowest device sets the pace); a ``while`` loop's body once (its trip
@@ -106,7 +112,8 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
     that permutes values another region permuted alike (ring attention's backward rotating the
     K/V blocks its forward rotated first, or returned to it) does not count it again. ``gpu``:
     the GPU the body runs on (:func:`shardplan.splitk.gpu_of`), whose matmuls XLA may split K
-    ways (their float32 partial sums written, then reduced by a second kernel)."""
+    ways (their float32 partial sums written, then reduced by a second kernel). ``cpu``: XLA's CPU
+    compiler runs it, which moves a bfloat16 collective's values as float32."""
     comms: list[tuple[Comm, float]] = []
     flops: dict[str, float] = {}
     dot_bytes: dict[str, float] = {}
@@ -136,9 +143,9 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
                     continue
                 permuted.add(key)
             if kind == ALL_GATHER:
-                moved = sum(_nbytes(v.aval) for v in eqn.outvars)
+                moved = sum(_moved(v.aval, cpu) for v in eqn.outvars)
             else:
-                moved = sum(_nbytes(v.aval) for v in eqn.invars if hasattr(v.aval, "shape"))
+                moved = sum(_moved(v.aval, cpu) for v in eqn.invars if hasattr(v.aval, "shape"))
             comms.append((Comm(kind, axes, moved), 1.0))
         elif prim == "dot_general":
             (lc, _), _ = p["dimension_numbers"]
@@ -164,7 +171,7 @@ def body_costs(jaxpr, mesh_sizes: Mapping[str, int], operands: tuple = (), seen:
                             stored.add(v)
                             hbm += 2 * _nbytes(v.aval)
                 continue
-            inner = [body_costs(j, mesh_sizes, gpu=gpu) for j in subs]
+            inner = [body_costs(j, mesh_sizes, gpu=gpu, cpu=cpu) for j in subs]
             if prim == "cond":
                 inner = [max(inner, key=lambda c: (sum(f for f in c.flops.values()),
                                                    sum(cm.nbytes * n for cm, n in c.comms)))]

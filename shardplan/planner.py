@@ -399,7 +399,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         (``itemsize``: the bytes an element moves as, where not its own: a dot's bfloat16 pass;
         ``region``: the differentiated checkpoint the reading op is in, :attr:`Graph.region_of`)."""
         t = graph.tensors[tid]
-        itemsize = itemsize or t.dtype.itemsize
+        itemsize = itemsize or enum.wire(t)
         key = (tid, need, loop, itemsize, region)
         if need is None or key not in resharded:
             resharded.add(key)
@@ -473,7 +473,8 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         dot_operands[graph.tensors[dot.out].path] = (req_l, req_r, model.reduced_spec(prod, partial, spec_of[dot.out]))
     seen: dict = {}
     for r in graph.manual:                   # shard_map bodies: what they do whatever the plan
-        costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results, gpu=model.gpu)
+        costs = body_costs(r.body, dict(r.mesh), r.operands, seen, r.results, gpu=model.gpu,
+                           cpu=graph.compiler == "cpu")
         for c, runs in costs.comms:
             account([(c, model.collective_time(c) * runs * r.mult)], runs * r.mult, r.out)
         seconds = costs.hbm_bytes / mesh.device.hbm_bandwidth

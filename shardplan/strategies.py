@@ -57,6 +57,10 @@ class Enumerator:
         # the TPU compiler's heap slot per tuple result, apart from the arrays (none elsewhere)
         self.tuple_slots = graph.tuple_results if model.tiled else 0
         self._inputs = frozenset(graph.inputs)
+        self._returned = frozenset(t for t in graph.outputs if t is not None)
+        # XLA's CPU compiler computes bfloat16 in float32: the values it makes are held widened
+        # (the arguments and results keep the caller's bfloat16).
+        self.widened = graph.compiler == "cpu"
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
@@ -243,9 +247,9 @@ class Enumerator:
             # other dims too.
             src = self.g.tensors[edge.src]
             made, left = edge.produced(need)
-            items = m.reshard_items(src.shape, src.dtype.itemsize, src_spec, need) + \
-                m.reduce_items(t.shape, t.dtype.itemsize, made, left, made, share=share) + \
-                m.reshard_items(t.shape, t.dtype.itemsize, made, dst_spec)
+            items = m.reshard_items(src.shape, self.wire(src), src_spec, need) + \
+                m.reduce_items(t.shape, self.wire(t), made, left, made, share=share) + \
+                m.reshard_items(t.shape, self.wire(t), made, dst_spec)
             return self.scaled(items, edge.mult)
         if edge.primitive.startswith("scatter") and partial:
             # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
@@ -258,8 +262,8 @@ class Enumerator:
                 used.update(extra)
                 sliced.append(have or extra)
             sliced = tuple(sliced)
-            items = m.reduce_items(t.shape, t.dtype.itemsize, sliced, partial, sliced, share=share) + \
-                m.reshard_items(t.shape, t.dtype.itemsize, sliced, dst_spec)
+            items = m.reduce_items(t.shape, self.wire(t), sliced, partial, sliced, share=share) + \
+                m.reshard_items(t.shape, self.wire(t), sliced, dst_spec)
         else:
             items = m.reduce_items(t.shape, self.dst_itemsize(edge), produced, partial, dst_spec, REDUCE_OP, share)
         return self.scaled(items, edge.mult)
@@ -268,23 +272,31 @@ class Enumerator:
         """Seconds per step of :meth:`edge_comms`."""
         return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
 
+    def wire(self, t) -> int:
+        """Bytes an element of tensor ``t`` moves as in a collective: its own, but 4 for
+        bfloat16 on XLA's CPU compiler, which runs every bfloat16 collective in float32 (a convert
+        ahead of it and one after: all-gathers of parameters as much as all-reduces of gradients;
+        tests/test_hlo.py)."""
+        return 4 if self.widened and t.dtype.name == "bfloat16" else t.dtype.itemsize
+
     def src_itemsize(self, edge) -> int:
         """Bytes an element of an edge's operand moves as where it is resharded for the op: 2
-        where a layout op hands it on only to bfloat16-pass dots on a TPU (:func:`read_as_bf16`)."""
+        where a layout op hands it on only to bfloat16-pass dots on a TPU (:func:`read_as_bf16`),
+        else :meth:`wire`."""
         t = self.g.tensors[edge.src]
         return 2 if edge.dst in self.narrow and edge.primitive in LAYOUT and t.dtype.itemsize == 4 \
-            else t.dtype.itemsize
+            else self.wire(t)
 
     def dst_itemsize(self, edge) -> int:
         """Bytes an element of an edge's result moves as where it is resharded after the op."""
         t = self.g.tensors[edge.dst]
-        return 2 if edge.dst in self.narrow else t.dtype.itemsize
+        return 2 if edge.dst in self.narrow else self.wire(t)
 
     def moved_itemsize(self, dot, t) -> int:
         """Bytes an element of a dot's operand takes where it is resharded for the dot: 2 for
         float32 operands at DEFAULT precision on a TPU (libtpu rounds them to bfloat16 for the
-        one-pass matmul before it gathers them), else the operand's own."""
-        return 2 if dot.bf16_pass and self.m.tiled else t.dtype.itemsize
+        one-pass matmul before it gathers them), else :meth:`wire`."""
+        return 2 if dot.bf16_pass and self.m.tiled else self.wire(t)
 
     def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
         """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
@@ -295,7 +307,7 @@ class Enumerator:
             out += self.m.reshard_items(t.shape, self.moved_itemsize(dot, t), have, need)
         t = self.g.tensors[dot.out]
         groups = self.partial_groups(dot, option)
-        out += self.m.reduce_items(t.shape, t.dtype.itemsize, prod, partial, out_spec, groups,
+        out += self.m.reduce_items(t.shape, self.wire(t), prod, partial, out_spec, groups,
                                    self.combined.get(dot.out, 1))
         return self.scaled(out, dot.mult)
 
@@ -314,7 +326,7 @@ class Enumerator:
         if not axes:
             return []
         rows = -(-t.shape[0] // self.m.shards(axes))
-        c = Comm(COLLECTIVE_PERMUTE, tuple(axes), self.m.per_device_bytes(t.shape, t.dtype.itemsize, spec) / rows)
+        c = Comm(COLLECTIVE_PERMUTE, tuple(axes), self.m.per_device_bytes(t.shape, self.wire(t), spec) / rows)
         return [(c, t.mult * self.m.collective_time(c))]
 
     def input_seconds(self, tid: int, spec: Spec) -> float:
@@ -340,10 +352,16 @@ class Enumerator:
         """(item size, tiled dimensions) a tensor is held in device memory with: on a TPU, a
         float32 tensor only bfloat16-pass dots read is stored as its rounding (not an argument:
         the caller holds those), and a batched dot's operand or result tiles its own dimensions
-        (:func:`shardplan.layout.minor_dims`)."""
+        (:func:`shardplan.layout.minor_dims`); on XLA's CPU compiler, a bfloat16 tensor the step
+        makes (not an argument, not a result) as float32, which that compiler computes it in."""
         t = self.g.tensors[tid]
-        narrowed = tid in self.narrow and tid not in self._inputs
-        return (2 if narrowed else t.dtype.itemsize), self.minor.get(tid)
+        if tid in self._inputs:
+            return t.dtype.itemsize, self.minor.get(tid)
+        if tid in self.narrow:
+            return 2, self.minor.get(tid)
+        if self.widened and t.dtype.name == "bfloat16" and tid not in self._returned:
+            return 4, None
+        return t.dtype.itemsize, self.minor.get(tid)
 
     def stored_bytes(self, tid: int, spec: Spec) -> float:
         """Bytes per device a tensor of this spec holds (:meth:`stored_as`)."""

@@ -95,7 +95,7 @@ def dot_table(enum, dot, role: str, tid: int, spec_of: dict, derived, groups) ->
                                 else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
     haves, h_index = _distinct(spec_of[tid])
     t = g.tensors[tid]
-    shape, itemsize = t.shape, t.dtype.itemsize if role == "out" else enum.moved_itemsize(dot, t)
+    shape, itemsize = t.shape, enum.wire(t) if role == "out" else enum.moved_itemsize(dot, t)
     if role == "out":
         cells = m.reduce_table(shape, itemsize, wants, haves, enum.combined.get(tid, 1))
         for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch

@@ -319,3 +319,29 @@ def test_roofline_prices_each_op_at_the_longer_of_its_flops_and_bytes():
     # the program's FLOP time plus its byte time (which counts the matmul's operands on top).
     peak, bw = 8e12, 1e11      # the matmul's FLOP time about its byte time: the sum counts both
     assert roofline_seconds(text, lambda dtype: peak, bw) < 0.8 * (flops / peak + nbytes / bw)
+
+
+
+def test_cpu_compiler_moves_bfloat16_in_float32_and_a_reduce_scatter_reads_through_its_converts():
+    """XLA's CPU compiler computes bfloat16 in float32: every collective of a bfloat16 step moves
+    float32, a parameter's all-gather too, and a gradient it all-reduces is converted back to
+    bfloat16 before a fusion stores this device's slice of it (read as the reduce-scatter a GPU
+    emits, 4 bytes an element: what the plan prices on a CPU mesh)."""
+    mesh = make_jax_mesh(("data",), (8,))
+
+    def step(ws, x, v):
+        loss = lambda ws: jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].astype(jnp.float32))
+        return jax.grad(loss)(ws), v * 2
+
+    ws, x = jax.ShapeDtypeStruct((4, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
+    f = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data")),
+                                    NamedSharding(mesh, P("data"))),
+                out_shardings=(NamedSharding(mesh, P(None, "data")), NamedSharding(mesh, P())))
+    text = f.lower(ws, x, v).compile().as_text()
+    moved = re.findall(r"= (\S+?)\[[\d,]*\]\S* (?:all-reduce|all-gather|reduce-scatter|all-to-all)\(", text)
+    assert moved and set(moved) == {"f32"}, moved
+    found = collectives(text, mesh)
+    grads = [c for c in found if c.nbytes == 64 * 64 * 4]
+    assert grads and all(c.kind == "reduce-scatter" for c in grads) and sum(c.count for c in grads) == 4, found
+    assert [c.nbytes for c in found if c.kind == "all-gather"] == [64 * 16 * 4]
