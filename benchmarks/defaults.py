@@ -9,8 +9,10 @@ Prints markdown tables:
   repository's ``tests/``: ``user_steps.py`` and ``scan_steps.py``): planning wall seconds and
   predicted step with the defaults, with ``remat``, ``context`` and ``pipeline`` each ``"off"``,
   and with all three off; the families the default plan uses;
-* the decorator's first call (trace, plan, compile; plan cache off) against a plain ``jax.jit``
-  lower and compile of the same step, as a ratio measured in the same run;
+* the decorator's first call (trace, plan, lower, compile), cold (plan cache off) and warm (the
+  plan read from the disk cache, as by a second process), against a plain ``jax.jit`` lower and
+  compile of the same step and against that step jitted with the plan's input shardings, as
+  ratios measured in the same run;
 * ``--large``: GPT-3 175B written as a plain ``jax.lax.scan`` of checkpointed layers
   (:mod:`shardplan.benchmarks.user_gpt3`; no shardplan call in the model), batch 1536, on
   ``a100-128x8`` with its nodes on InfiniBand and on 10 Gb Ethernet: planning time and
@@ -24,6 +26,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -85,22 +88,39 @@ def _corpus_steps(folder: str):
 
 
 def _decorator_ratio() -> str:
-    """The decorator's first call against ``jax.jit(step).lower(...).compile()``, in one run."""
+    """The decorator's first call, cold (plan cache off) and warm (its plan read from the disk
+    cache by a fresh decorator, as a second process reads it), against ``jax.jit(step).lower(...)
+    .compile()`` and against the same step jitted with the plan's input shardings, in one run."""
     ref = reference("gpt-tiny", scan=True)
     mesh = shardplan.load_mesh("cpu-8")
     state, batch = jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(16, abstract=True)
     rows = []
-    for k in range(2):                                 # the first of each warms up jax's own caches
-        # A new function object each time: jax caches traces and executables per function.
-        start = time.perf_counter()
-        jax.jit(lambda s, b: ref.train_step(s, b), donate_argnums=(0,)).lower(state, batch).compile()
-        plain = time.perf_counter() - start
-        start = time.perf_counter()
-        f = shardplan.auto(lambda s, b: ref.train_step(s, b), mesh=mesh, donate_argnums=(0,), cache=False)
-        f.lower(state, batch).compile()
-        first = time.perf_counter() - start
-        if k:
-            rows.append(f"| gpt-tiny on cpu-8 | {plain:.2f} s | {first:.2f} s | {first / plain:.2f}x |")
+    with tempfile.TemporaryDirectory() as cache:
+        shardplan.auto(lambda s, b: ref.train_step(s, b), mesh=mesh, donate_argnums=(0,), cache=cache).lower(
+            state, batch).compile()                     # fills the cache, and warms up jax's own caches
+        for k in range(4):
+            # A new function object each time: jax caches traces and executables per function.
+            times = {}
+            for name, make in (
+                    ("plain", lambda: jax.jit(lambda s, b: ref.train_step(s, b), donate_argnums=(0,))),
+                    ("sharded", lambda: jax.jit(lambda s, b: ref.train_step(s, b), donate_argnums=(0,),
+                                                in_shardings=planned.in_shardings(jax_mesh))),
+                    ("cold", lambda: shardplan.auto(lambda s, b: ref.train_step(s, b), mesh=mesh, donate_argnums=(0,),
+                                                    cache=False)),
+                    ("warm", lambda: shardplan.auto(lambda s, b: ref.train_step(s, b), mesh=mesh, donate_argnums=(0,),
+                                                    cache=cache))):
+                if name == "sharded":
+                    planned, jax_mesh = times["cold_f"].plan, mesh.to_jax_mesh()
+                start = time.perf_counter()
+                f = make()
+                f.lower(state, batch).compile()
+                times[name] = time.perf_counter() - start
+                times[name + "_f"] = f
+            if k:
+                plain = times["plain"]
+                rows.append(f"| gpt-tiny on cpu-8 | {plain:.2f} s | {times['sharded']:.2f} s | {times['cold']:.2f} s "
+                            f"({times['cold'] / plain:.2f}x) | {times['warm']:.2f} s ({times['warm'] / plain:.2f}x, "
+                            f"{times['warm'] / times['sharded']:.2f}x the sharded jit) |")
     return "\n".join(rows)
 
 
@@ -137,7 +157,8 @@ def main() -> None:
     steps = list(_reference_steps()) + (list(_corpus_steps(args.steps)) if args.steps else [])
     for name, mesh, fn, a, jit, budget, kwargs in steps:
         print(_row(name, mesh, fn, a, jit, budget, kwargs), flush=True)
-    print("\n| step | plain jax.jit lower + compile | shardplan.auto first call | ratio |\n|---|---|---|---|")
+    print("\n| step | plain jax.jit lower + compile | jax.jit with the plan's shardings | shardplan.auto first call, "
+          "cold | warm (plan cache filled) |\n|---|---|---|---|---|")
     print(_decorator_ratio(), flush=True)
     if args.large:
         print("\n| GPT-3 175B, plain jax.lax.scan, batch 1536 | settings | planning | predicted step | pipeline "
