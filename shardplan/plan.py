@@ -14,11 +14,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardplan.bands import describe as describe_band
 from shardplan.cost import Spec, to_partition_spec
 from shardplan.errors import PlanFileError, PlanMismatchError
 from shardplan.mesh import make_jax_mesh
 from shardplan.sizes import format_bytes
 from shardplan.solver import SolverStats
+from shardplan.targets import compiler_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +193,7 @@ class Plan:
                  + f"; peak memory {format_bytes(c.memory_bytes)}/device"
                  + (f" (+ {format_bytes(c.offload_bytes)}/device offloaded to host memory, "
                     f"{c.offload_s * 1e3:.3f} ms of copies)" if c.offload_s else ""),
+                 *([describe_band(compiler_kind(self.mesh_spec))] if self.mesh_spec is not None else []),
                  "collectives: " + (", ".join(f"{k} {v * 1e3:.3f} ms ({format_bytes(c.comm_bytes_by_kind[k])})"
                                              for k, v in c.comm_s_by_kind.items() if v) or "none"),
                  "per mesh axis: " + (", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in c.comm_s_by_axis.items() if v)

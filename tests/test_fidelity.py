@@ -3,6 +3,7 @@ reference models they build; its summary's figures."""
 
 import pytest
 
+import shardplan
 from shardplan.benchmarks.fidelity import MESHES, draw, summary
 
 
@@ -38,3 +39,21 @@ def test_the_summary_gives_median_90th_percentile_and_worst_of_the_absolute_erro
     table, worst = summary("cpu", rows)
     assert table == "| cpu | 6 | 5 | 3.0% / 16.0% / 20.0% | 0.0% / 0.0% / 0.0% | 0 |"
     assert worst.splitlines()[0].startswith("  - cpu, memory +20.0%") and "m4" in worst.splitlines()[0]
+
+
+def test_explain_gives_the_memory_band_measured_on_the_plans_compilers_corpus():
+    import json
+    import pathlib
+
+    import jax.numpy as jnp
+
+    from shardplan import bands
+    rows = json.loads((pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / "fidelity_cpu.json")
+                      .read_text())["rows"]["cpu"]
+    errors = sorted(abs(r["memory_error"]) for r in rows if r["status"] == "ok")
+    n, p90, worst = bands.memory_band("cpu")
+    assert (n, worst) == (len(errors), errors[-1]) and errors[0] <= p90 <= worst
+    p = shardplan.plan(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((64, 64)), jnp.ones((32, 64)), mesh="cpu-8",
+                       cache=False)
+    assert f"({n} models nobody tuned on), 90% of predicted memories within {p90:.0%}" in p.explain()
+    assert bands.memory_band("none-such") is None and "no run of the seeded corpus" in bands.describe("none-such")

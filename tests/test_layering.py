@@ -19,7 +19,7 @@ LAYERS = {
     "traced program": "trace walk manual rewrites rules strategies apply",
     "families": "families recompute unrolled pipeline pipeline_search einsum_attention context sequence defaults",
     "solve": "simplify solver tying exact",
-    "plan": "plan planner cache multihost checkpoint fit",
+    "plan": "bands plan planner cache multihost checkpoint fit",
     "search": "search",
     "entry points": "api cli __init__",
 }
