@@ -5,7 +5,7 @@
         [--batch 128] [--target auto|cpu|gpu|tpu] [--pipeline "2x4,4x8,2x8c"]
 
 Each cell plans the reference model (scanned, fp32, AdamW), compiles it and audits it
-(:mod:`shardplan.audit`). ``--target auto`` (default) compiles on the cell's own GPU or TPU compiler
+(:mod:`shardplan.compiler.audit`). ``--target auto`` (default) compiles on the cell's own GPU or TPU compiler
 with no device present where installed (``[aot]``), else on fake CPU devices; ``--target cpu``
 always on the CPU. The bar: collective bytes within 5%, memory within 10% (issue 12).
 
@@ -28,9 +28,9 @@ if not __package__:   # run as a script from a checkout: import the checkout's s
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import targets  # noqa: E402
+from shardplan.compiler import targets  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan.sizes import format_bytes  # noqa: E402
+from shardplan.util.sizes import format_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def main() -> None:
 
 
 def _pipeline(text: str):
-    from shardplan.pipeline import PipelineConfig
+    from shardplan.parallel.pipeline import PipelineConfig
     circular = text.endswith("c")
     stages, microbatches = (int(n) for n in text.rstrip("c").split("x"))
     return PipelineConfig(stages, microbatches, schedule="circular" if circular else "gpipe",

@@ -32,11 +32,11 @@ batch, on a mesh with axes ``data`` and ``model``:
   meshes with a ``seq`` axis): MaxText's context parallelism (``context_parallel_strategy``
   all_gather, ulysses and ring, causal load balance for the ring): the sequence of the batch and
   of every activation over ``seq``, the batch over ``data``, attention run by that strategy
-  (:mod:`shardplan.context`), every parameter and its optimizer state FSDP over both axes.
+  (:mod:`shardplan.parallel.context`), every parameter and its optimizer state FSDP over both axes.
 - ``megatron-3d`` (:func:`megatron_3d`): Megatron-LM's 3D parallelism: tensor parallel over
   ``model`` (inside a node, the ``megatron-tp`` weights), pipeline stages split off ``data``
   (across nodes: a ``stage`` axis, each stage holding its contiguous block of layers), data
-  parallel over the rest, run as shardplan's SPMD pipeline (:mod:`shardplan.pipeline`) with
+  parallel over the rest, run as shardplan's SPMD pipeline (:mod:`shardplan.parallel.pipeline`) with
   microbatches of one sequence per data-parallel rank as in the Megatron paper, and Megatron's
   sequence parallelism (each layer's residual stream split over the sequence on ``model``). Its interleaved
   schedule is the circular one with 2 rounds where the layers split that way; each data rank
@@ -179,7 +179,7 @@ def context_config(kind: str):
     (``None`` for the others)."""
     if kind not in CP_BASELINES:
         return None
-    from shardplan.sequence import ContextConfig
+    from shardplan.parallel.sequence import ContextConfig
     strategy = kind.removeprefix("cp-")
     return ContextConfig(strategy, seq_axes=("seq",), batch_axes=("data",),
                          load_balance="zigzag" if strategy == "ring" else None)

@@ -8,12 +8,12 @@ For each cell (model x mesh x memory budget) it plans, lowers and compiles the p
 each baseline (:mod:`shardplan.benchmarks.baselines`) on fake devices of the cell's size, never executing
 at large sizes. Per plan it reports the predicted step time, the step time the compiled HLO
 implies priced on the cell's mesh (dot FLOPs over peak + HBM bytes of the top-level ops over
-bandwidth + every collective over its links, as :mod:`shardplan.audit` reads them), memory per
-device (argument + output + temp - alias; on a TPU, libtpu's heap: :mod:`shardplan.footprint`),
+bandwidth + every collective over its links, as :mod:`shardplan.compiler.audit` reads them), memory per
+device (argument + output + temp - alias; on a TPU, libtpu's heap: :mod:`shardplan.compiler.footprint`),
 collective count and bytes, and the planner's solve time; per cell the ratio planner / best
 baseline that fits the budget, and the same ratio with each compiled program priced op by op
 (each top-level op the longer of its FLOPs over peak and its bytes over bandwidth,
-:func:`shardplan.hlo.roofline_seconds`, as the planner prices ops). Tiny cells also execute on 8
+:func:`shardplan.compiler.hlo.roofline_seconds`, as the planner prices ops). Tiny cells also execute on 8
 fake CPU devices and report the measured step time (labelled CPU).
 
 Budgets: ``hbm`` is what a program may allocate on the device (``Device.budget_bytes``);
@@ -45,8 +45,6 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import footprint, targets  # noqa: E402
-from shardplan.audit import price_collectives  # noqa: E402
 from shardplan.benchmarks.baselines import (  # noqa: E402
     BASELINES,
     CP_BASELINES,
@@ -56,18 +54,20 @@ from shardplan.benchmarks.baselines import (  # noqa: E402
     hand_plan,
     megatron_3d,
 )
-from shardplan.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
-from shardplan.fit import compile_oom_bytes  # noqa: E402
-from shardplan.footprint import compiled_memory  # noqa: E402
-from shardplan.hlo import collectives, dot_flops, hbm_bytes, roofline_seconds  # noqa: E402
+from shardplan.compiler import footprint, targets  # noqa: E402
+from shardplan.compiler.audit import price_collectives  # noqa: E402
+from shardplan.compiler.cost import COLLECTIVE_KINDS, CostModel, from_partition_spec  # noqa: E402
+from shardplan.compiler.fit import compile_oom_bytes  # noqa: E402
+from shardplan.compiler.footprint import compiled_memory  # noqa: E402
+from shardplan.compiler.hlo import collectives, dot_flops, hbm_bytes, roofline_seconds  # noqa: E402
 from shardplan.models.layers import activation_sharding  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
-from shardplan.pipeline_search import with_stage_axis  # noqa: E402
-from shardplan.planner import PlannerOptions, plan_jaxpr  # noqa: E402
-from shardplan.progress import Progress  # noqa: E402
-from shardplan.sequence import context_parallel, traced_in  # noqa: E402
-from shardplan.trace import CallSpec, trace_step  # noqa: E402
+from shardplan.parallel.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
+from shardplan.parallel.pipeline_search import with_stage_axis  # noqa: E402
+from shardplan.parallel.sequence import context_parallel, traced_in  # noqa: E402
+from shardplan.planning.planner import PlannerOptions, plan_jaxpr  # noqa: E402
+from shardplan.tracing.trace import CallSpec, trace_step  # noqa: E402
+from shardplan.util.progress import Progress  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +213,7 @@ def _measure_cpu(fn, state, batch, steps: int = 3) -> float:
 
 
 def run_cell(cell: Cell, time_limit: float, bar: Progress | None = None, target: str = "cpu") -> list[Row]:
-    """The cell's rows, every plan compiled by ``target``'s compiler (:mod:`shardplan.targets`:
+    """The cell's rows, every plan compiled by ``target``'s compiler (:mod:`shardplan.compiler.targets`:
     ``"auto"``, the preset's own GPU or TPU compiler where installed, with no device present)."""
     if cell.devices > len(jax.devices()):
         return [Row(cell.id, "all", f"n/a: needs {cell.devices} devices, jax.devices() has {len(jax.devices())}")]

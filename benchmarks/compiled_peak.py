@@ -6,7 +6,7 @@
 
 Plans the reference model (scanned, fp32, AdamW) as ``audit_matrix.py`` does, compiles it for the
 target with XLA's dumps on (the TPU with VMEM placement off, as the audit), and reads the
-buffer assignment (:func:`shardplan.footprint.dumped_heap`): the heap, the bytes live at its
+buffer assignment (:func:`shardplan.compiler.footprint.dumped_heap`): the heap, the bytes live at its
 fullest point (loop-carried values included), the step where that is, and the buffers live
 there, largest first, beside the plan's predicted memory and the memory model's fullest
 checkpoint under the plan's specs. A heap over its live peak is layout
@@ -28,9 +28,10 @@ if not __package__:   # run as a script from a checkout: import the checkout's s
 import jax  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import api, footprint, layout, targets  # noqa: E402
+from shardplan import api  # noqa: E402
+from shardplan.compiler import footprint, layout, targets  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan.sizes import format_bytes  # noqa: E402
+from shardplan.util.sizes import format_bytes  # noqa: E402
 
 
 def main() -> None:

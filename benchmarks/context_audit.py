@@ -4,7 +4,7 @@
         [--dtype float32|bfloat16] [--target cpu,gpu] [--strategies off,allgather,ulysses,ring,ring-heads]
         [--model llama-tiny-cp [--scan]]
 
-The step is ``tests/test_sequence.py``'s: one attention layer (q, k, v, o projections of width
+The step is ``tests/parallel/test_sequence.py``'s: one attention layer (q, k, v, o projections of width
 ``--embed``, ``shardplan.attention(causal=True)``), a mean-square loss, plain SGD, the weights
 donated. It is planned on ``h100-8`` as ``{data: 2, seq: 4}`` once per strategy (``off``: no
 split, ``jax.nn.dot_product_attention``; ``allgather`` / ``ulysses`` / ``ring`` (zig-zag): sequence
@@ -32,9 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import targets  # noqa: E402
-from shardplan.sequence import ContextConfig  # noqa: E402
-from shardplan.sizes import format_bytes  # noqa: E402
+from shardplan.compiler import targets  # noqa: E402
+from shardplan.parallel.sequence import ContextConfig  # noqa: E402
+from shardplan.util.sizes import format_bytes  # noqa: E402
 
 COMMON = dict(seq_axes=("seq",), batch_axes=("data",))
 CONFIGS = {
@@ -47,7 +47,7 @@ CONFIGS = {
 
 
 def attention_step(batch: int, seq: int, heads: int, embed: int):
-    """One attention layer's SGD step on ``(weights, x)``: tests/test_sequence.py's."""
+    """One attention layer's SGD step on ``(weights, x)``: tests/parallel/test_sequence.py's."""
     def loss(w, x):
         q, k, v = ((x @ w[n]).reshape(batch, seq, heads, embed // heads) for n in "qkv")
         o = shardplan.attention(q, k, v, causal=True)

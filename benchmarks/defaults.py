@@ -1,5 +1,5 @@
 """What the defaults cost and what they buy: each step planned with every family at its default
-(shardplan.defaults) and with each family off, side by side in one run.
+(shardplan.parallel.defaults) and with each family off, side by side in one run.
 
     python -m shardplan.benchmarks.defaults [--steps tests] [--large]
 

@@ -7,8 +7,8 @@ each model's peak is read from a fresh allocator):
 
 1. ``facts``: what the device reports (its kind, the memory the runtime and JAX's allocator offer,
    and, where PyTorch is installed, the multiprocessor count, L2 and shared memory) beside what the
-   preset and the deviceless target config (:mod:`shardplan.targets`) assume.
-2. ``calibrate``: matmul FLOP/s per dtype and memory bandwidth (:mod:`shardplan.calibrate`)
+   preset and the deviceless target config (:mod:`shardplan.compiler.targets`) assume.
+2. ``calibrate``: matmul FLOP/s per dtype and memory bandwidth (:mod:`shardplan.devices.calibrate`)
    against the preset's peaks.
 3. One part per model (``name:batch`` or ``name:batch:field=value``): plans the train step on a
    one-device mesh priced with the calibrated figures, runs it in a donated loop and reads
@@ -47,8 +47,8 @@ def _write(path: str, data: dict) -> None:
 
 
 def _base(device_kind: str, platform: str) -> str:
-    """This device's preset (:func:`shardplan.hardware.preset_for_kind`), else the platform's."""
-    from shardplan.hardware import preset_for_kind
+    """This device's preset (:func:`shardplan.devices.hardware.preset_for_kind`), else the platform's."""
+    from shardplan.devices.hardware import preset_for_kind
     return preset_for_kind(device_kind) or {"gpu": "h100-8", "tpu": "tpu-v5e-256"}.get(platform, "cpu-8")
 
 
@@ -68,7 +68,7 @@ def part_facts(args) -> dict:
     import jax
 
     import shardplan
-    from shardplan import targets
+    from shardplan.compiler import targets
     dev = jax.devices()[0]
     kind = str(getattr(dev, "device_kind", dev.platform))
     base = args.base or _base(kind, dev.platform)
@@ -109,7 +109,7 @@ def part_calibrate(args) -> dict:
     import jax
 
     import shardplan
-    from shardplan.calibrate import calibrate
+    from shardplan.devices.calibrate import calibrate
     dev = jax.devices()[0]
     base = args.base or _base(str(getattr(dev, "device_kind", "")), dev.platform)
     preset = shardplan.load_mesh(base, axes={"data": shardplan.load_mesh(base).num_devices})
@@ -129,8 +129,8 @@ def part_model(args) -> dict:
     import numpy as np
 
     import shardplan
-    from shardplan import targets
-    from shardplan.footprint import compiled_host_memory, compiled_memory
+    from shardplan.compiler import targets
+    from shardplan.compiler.footprint import compiled_host_memory, compiled_memory
     from shardplan.models.train import MODEL_CONFIGS, reference
     name, batch, *fields = args.model.split(":")
     overrides, remat, loop, profile = {}, args.remat, 0, 0

@@ -9,7 +9,7 @@ feed-forward width, vocabulary, sequence, batch, dtype, scanned or unrolled laye
 recomputation; a mesh of one to three axes on the compiler's presets (CPU: 8 fake devices; GPU:
 8 to 1024 H100s or A100s; TPU: v5e and v5p slices); a loose budget (the device's) or a binding one
 (60% of what the loose plan needs). The planner plans it, the compiler compiles the plan (GPU and
-TPU with no device present, the ``[aot]`` extra), and the audit (:mod:`shardplan.audit`) holds
+TPU with no device present, the ``[aot]`` extra), and the audit (:mod:`shardplan.compiler.audit`) holds
 the predicted memory per device and collective bytes against the compiled program's.
 
 The fixed set is seeds ``0 .. fixed-1``, the same every run; the fresh draw is ``fresh`` models
@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 import shardplan  # noqa: E402
-from shardplan import targets  # noqa: E402
+from shardplan.compiler import targets  # noqa: E402
 from shardplan.errors import InfeasibleBudgetError  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
 

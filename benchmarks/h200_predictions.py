@@ -7,7 +7,7 @@ No device is needed: the planner prices the step; the measured figures are the J
 whether a change to the time model moved the predictions toward what the device ran: "then" is
 the prediction the JSON recorded when the step ran, "now" today's. ``--without-slice-copies``
 adds today's prediction with the GPU's copies of scanned slices left unpriced
-(:func:`shardplan.traffic.copied_slices`, session 24), planned again with that rule off.
+(:func:`shardplan.compiler.traffic.copied_slices`, session 24), planned again with that rule off.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from device_check import _one_device
 
     import shardplan
-    from shardplan import traffic
+    from shardplan.compiler import traffic
     from shardplan.models.train import reference
     with open(args.results) as fh:
         data = json.load(fh)

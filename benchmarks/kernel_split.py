@@ -22,7 +22,7 @@ import sys
 if not __package__:   # run as a script from a checkout: import the checkout's shardplan
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardplan.hlo import _computations  # the audit's reading of compiled HLO text
+from shardplan.compiler.hlo import _computations  # the audit's reading of compiled HLO text
 
 _CUBLAS = re.compile(r"nvjet|sm90_|sm80_|cutlass|xmma|cublas|gemv")
 

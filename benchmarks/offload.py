@@ -19,7 +19,7 @@ import jax
 
 import shardplan
 from shardplan.models.train import reference
-from shardplan.sizes import format_bytes
+from shardplan.util.sizes import format_bytes
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.baselines import megatron_3d  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
-from shardplan.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
+from shardplan.parallel.pipeline import PipelineConfig, Schedule, pipelined  # noqa: E402
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _COLLECTIVE = re.compile(r"= (\w+\[[^\]]*\]|\([^)]*\))\S* (all-gather|all-reduce|reduce-scatter|all-to-all|"

@@ -1,4 +1,4 @@
-"""Where XLA's GPU compiler sums a split-K matmul's partial sums (:mod:`shardplan.splitk`).
+"""Where XLA's GPU compiler sums a split-K matmul's partial sums (:mod:`shardplan.compiler.splitk`).
 
     python benchmarks/splitk_sums.py [--preset h100-8]      # 10 s here; needs the [aot] extra
 
@@ -6,7 +6,7 @@ Compiles ``a @ w1 + b @ w2`` (float32, unsharded) for the preset's GPU with no d
 for shapes whose matmuls XLA splits 4 to 32 ways, and prints the split the model predicts, one
 set of partial sums' bytes, the compiled temporaries, and how many sums each fused kernel
 holds: a kernel holding two sums (the add's) keeps both sets live at once
-(:func:`shardplan.liveness.summing_kernels`).
+(:func:`shardplan.compiler.liveness.summing_kernels`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan import splitk, targets  # noqa: E402
+from shardplan.compiler import splitk, targets  # noqa: E402
 
 SHAPES = [(512, 64, 192), (1024, 64, 512), (512, 64, 1024), (64, 192, 512), (64, 1024, 2048),
           (512, 64, 4096), (64, 64, 512), (128, 512, 2048), (256, 256, 4096), (128, 128, 2048)]

@@ -74,10 +74,10 @@ def megatron_flops(row: Row) -> float:
 
 def cluster_mesh(gpus: int, *, hardware: str = HARDWARE, mesh_dir: str | None = None):
     """The mesh of ``gpus`` GPUs in nodes of the preset's size, axes data = nodes, model = node
-    (:func:`shardplan.cluster.cluster_mesh`, what ``shardplan mesh new --hardware HARDWARE --nodes N
+    (:func:`shardplan.devices.cluster.cluster_mesh`, what ``shardplan mesh new --hardware HARDWARE --nodes N
     --ici-model 8 --dcn-data -1`` writes); written into ``mesh_dir`` where given."""
-    from shardplan.cluster import cluster_mesh as make
-    from shardplan.mesh import write_mesh
+    from shardplan.devices.cluster import cluster_mesh as make
+    from shardplan.devices.mesh import write_mesh
     per_node = shardplan.load_mesh(hardware).devices_per_node
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs is not a whole number of {per_node}-GPU nodes")

@@ -8,7 +8,7 @@ with ``context="auto"`` twice from ``ShapeDtypeStruct`` arguments: once as the r
 writes its attention (``shardplan.attention``) and once as its einsum twin writes it
 (``models.layers.causal_attention``: ``jnp.repeat`` for the grouped heads, two einsums, a
 ``jnp.where`` causal mask and an f32 softmax), which the planner recognises
-(``shardplan/einsum_attention.py``). Prints one markdown row each: the split chosen, the
+(``shardplan/tracing/einsum_attention.py``). Prints one markdown row each: the split chosen, the
 predicted step and memory, the planner's wall time.
 """
 

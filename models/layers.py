@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardplan import recompute
-from shardplan.pipeline import layer_scan
-from shardplan.recompute import layer_remat
+from shardplan.parallel import recompute
+from shardplan.parallel.pipeline import layer_scan
+from shardplan.parallel.recompute import layer_remat
 
 # Logical activation names -> mesh axes, set by a hand-written plan (benchmarks/baselines.py,
 # Megatron's sequence parallelism); unset, ``constrain`` is the identity and the traced step has
@@ -111,6 +111,6 @@ class LayerStack(nnx.Module):
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h), None
 
-        # layer_scan is jax.lax.scan unless a pipeline is active (shardplan.pipeline).
+        # layer_scan is jax.lax.scan unless a pipeline is active (shardplan.parallel.pipeline).
         x, _ = layer_scan(remat(body, self.remat, in_scan=True), x, state)
         return x

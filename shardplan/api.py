@@ -13,23 +13,24 @@ from typing import Any, overload
 
 import jax
 
-from shardplan import defaults, footprint, sequence, targets
-from shardplan.apply import constrained_function
+from shardplan.compiler import footprint, targets
+from shardplan.compiler.fit import fit_compiled
+from shardplan.devices.hardware import runs_on, spec_for_mesh
+from shardplan.devices.mesh import MeshSpec, auto_axes, load_mesh, make_jax_mesh
 from shardplan.errors import InfeasibleBudgetError, PlanMismatchError, ShardplanError
-from shardplan.fit import fit_compiled
-from shardplan.hardware import runs_on, spec_for_mesh
-from shardplan.mesh import MeshSpec, auto_axes, load_mesh, make_jax_mesh
-from shardplan.multihost import bound_everywhere, check_given_plan, share_plan
-from shardplan.pipeline_search import staged_axes
-from shardplan.plan import Plan
-from shardplan.plan import signature as plan_signature
-from shardplan.planner import PlannerOptions
-from shardplan.progress import Status
-from shardplan.rules import apply_rule
-from shardplan.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
-from shardplan.sizes import format_bytes
-from shardplan.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
-from shardplan.walk import build_graph
+from shardplan.parallel import defaults, sequence
+from shardplan.parallel.pipeline_search import staged_axes
+from shardplan.planning.planner import PlannerOptions
+from shardplan.planning.search import budget_for, plan_search, plan_traced, remat_setting, traced_as_planned
+from shardplan.plans.multihost import bound_everywhere, check_given_plan, share_plan
+from shardplan.plans.plan import Plan
+from shardplan.plans.plan import signature as plan_signature
+from shardplan.sharding.apply import constrained_function
+from shardplan.sharding.rules import apply_rule
+from shardplan.tracing.trace import CallSpec, TracedStep, abstract_leaf, signature, trace_step
+from shardplan.tracing.walk import build_graph
+from shardplan.util.progress import Status
+from shardplan.util.sizes import format_bytes
 
 
 def _mesh_spec(mesh, hardware=None) -> MeshSpec:
@@ -108,14 +109,14 @@ def bind_plan(plan: Plan, traced: TracedStep, source: str = "the plan"):
 
 def _axis_types(sharding) -> tuple:
     """A sharding's mesh axis types (``()`` where it has no mesh): an array on an ``Explicit``
-    mesh's axes is moved onto the plan's ``Auto`` view of it (:func:`~shardplan.mesh.auto_axes`),
+    mesh's axes is moved onto the plan's ``Auto`` view of it (:func:`~shardplan.devices.mesh.auto_axes`),
     else jit refuses the two meshes together."""
     return tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()))
 
 
 def _tied_state(traced: TracedStep, platform: str) -> frozenset[int] | None:
     """The step's state outputs, for the emitter to tie the loss and metrics before the loops
-    that follow them (:func:`~shardplan.apply.pinned_before_loops`), where libtpu compiles the
+    that follow them (:func:`~shardplan.sharding.apply.pinned_before_loops`), where libtpu compiles the
     program (``platform``: its devices'; the same on every process): its scheduler runs them
     after the backward loop otherwise. XLA's GPU scheduler does not, and a barrier there moves
     its head gradient past the loop instead (llama3-8b on h200-8 compiles 3 GiB larger with it;
@@ -180,7 +181,7 @@ class _Compiled:
         """The compiled step, compiled on the first call with a status line (XLA's compile of a
         large step takes a while: it is the last stage a user waits for). ``leaves`` may be
         arrays or ``jax.ShapeDtypeStruct``. On a TPU its heap is read as it compiles
-        (:func:`shardplan.footprint.compile`): the compiled-budget loop and an audit hold it."""
+        (:func:`shardplan.compiler.footprint.compile`): the compiled-budget loop and an audit hold it."""
         if self._executable is None:
             with Status() as line:
                 line.say("compiling the planned step")
@@ -249,7 +250,7 @@ class AutoFunction:
     def _plan_for(self, trace: Callable[[], TracedStep]):
         """``plan_for(budget) -> (plan, graph, traced step)``: the step planned under ``budget``
         (inside each candidate pipeline and recomputation where asked, or where the defaults
-        search them: :mod:`shardplan.defaults`), the same plan on every process."""
+        search them: :mod:`shardplan.parallel.defaults`), the same plan on every process."""
         plain = (defaults.pipeline_default(self.mesh_spec, self.pipeline, self.context) is None
                  and self.remat in (None, "off") and self.context in (None, "off"))
         traced = trace() if plain else None      # the step as written, traced once for every budget
@@ -297,7 +298,7 @@ class AutoFunction:
 
     def _planned(self, trace: Callable[[], TracedStep], mesh: jax.sharding.Mesh, args, kwargs) -> _Compiled:
         """Plan and, where :meth:`_fit_target` says, compile at once and hold the budget on the
-        compiled program (:func:`shardplan.fit.fit_compiled`)."""
+        compiled program (:func:`shardplan.compiler.fit.fit_compiled`)."""
         plan_for = self._plan_for(trace)
 
         def made_compiled(made) -> _Compiled:
@@ -365,7 +366,7 @@ class AutoFunction:
         return c.lower(*self._abstract(c, args, kwargs))
 
     def compile_for(self, target: str, *args, **kwargs):
-        """The planned step compiled for ``target`` (:mod:`shardplan.targets`): ``"cpu"``, these
+        """The planned step compiled for ``target`` (:mod:`shardplan.compiler.targets`): ``"cpu"``, these
         devices; ``"gpu"`` / ``"tpu"``, the real compiler of the hardware the plan is priced for,
         with no such device present (never run); ``"auto"``, that where installed. Returns
         ``(compiled, jax_mesh, compiler)``."""
@@ -382,12 +383,12 @@ class AutoFunction:
 
     def audit_for(self, target: str, *args, **kwargs):
         """The plan for these arguments held against its program compiled for ``target`` (as
-        :meth:`compile_for`): an :class:`shardplan.audit.Audit`. On a TPU target the memory is
-        read from a second compile that counts HBM alone (:data:`shardplan.targets.HBM_ONLY_OPTIONS`).
+        :meth:`compile_for`): an :class:`shardplan.compiler.audit.Audit`. On a TPU target the memory is
+        read from a second compile that counts HBM alone (:data:`shardplan.compiler.targets.HBM_ONLY_OPTIONS`).
 
         >>> print(step.audit_for("auto", state, batch).table())         # doctest: +SKIP
         """
-        from shardplan.audit import audit
+        from shardplan.compiler.audit import audit
         compiled, jax_mesh, compiler = self.compile_for(target, *args, **kwargs)
         c = self._compiled(args, kwargs)
         spec = c.plan.mesh_spec or self.mesh_spec
@@ -404,7 +405,7 @@ class AutoFunction:
     @property
     def fit_attempts(self) -> list:
         """The compiled-budget loop's attempts for the last traced signature
-        (:class:`shardplan.fit.Attempt`: budget planned under, predicted and compiled bytes per
+        (:class:`shardplan.compiler.fit.Attempt`: budget planned under, predicted and compiled bytes per
         device); empty where the step was not compiled while planned. On a TPU the compiled bytes
         are the HBM of the program as it runs (libtpu's VMEM placement on), which on small programs
         is well under what :meth:`audit_for` reads (VMEM placement off: HBM alone)."""
@@ -416,8 +417,8 @@ class AutoFunction:
 def _compile_for_target(c: _Compiled, spec: MeshSpec, target: str, abstract: list, jit_kwargs: dict,
                         options: dict | None = None):
     """``(compiled, jax_mesh, compiler)``: ``c``'s plan compiled by ``target``'s compiler over
-    compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.targets`); never run.
-    ``options``: XLA compile options (:data:`shardplan.targets.HBM_ONLY_OPTIONS`)."""
+    compile-only devices of the hardware ``spec`` prices (:mod:`shardplan.compiler.targets`); never run.
+    ``options``: XLA compile options (:data:`shardplan.compiler.targets.HBM_ONLY_OPTIONS`)."""
     mesh, compiler = targets.target_mesh(spec, target)
     other = _Compiled(c.traced, c.plan, c.graph, mesh, jit_kwargs)
     with Status() as line:
@@ -438,24 +439,24 @@ def auto(fn=None, *, mesh=None, hardware=None, memory_budget=None, time_limit: f
     """Plan and compile a train step; works bare (``auto(fn, mesh=...)``) and as ``@auto(mesh=...)``.
 
     ``mesh``: a ``jax.sharding.Mesh`` (priced on its devices' hardware, or on ``hardware``), a
-    preset name or a mesh file. ``cache``: plans are kept on disk (:mod:`shardplan.cache`; ``True``:
+    preset name or a mesh file. ``cache``: plans are kept on disk (:mod:`shardplan.plans.cache`; ``True``:
     the default directory, a path: that one, ``False``: off). ``jit_kwargs`` are ``jax.jit``'s:
     ``static_argnums``, ``static_argnames``, ``donate_argnums``, ``donate_argnames``, ...
     ``fit_compiled``: compile while planning and hold the budget on the compiled program,
-    planning again under a tighter budget while it overshoots (:mod:`shardplan.fit`); ``True``:
+    planning again under a tighter budget while it overshoots (:mod:`shardplan.compiler.fit`); ``True``:
     on this mesh's compiler, only where the mesh's devices are the priced hardware (default: on
     accelerators, off on CPU devices); ``"gpu"``, ``"tpu"`` or ``"auto"``: on the priced
-    hardware's real compiler with no such device present (:mod:`shardplan.targets`, ``[aot]``
+    hardware's real compiler with no such device present (:mod:`shardplan.compiler.targets`, ``[aot]``
     extra); ``step.fit_attempts`` lists the compiles.
     ``pipeline``: as :func:`plan`'s (a stage axis split off the mesh's first axis runs on the
     same devices). ``remat``, ``context``: as :func:`plan`'s; each family left at ``None`` is
-    searched where it can help (:mod:`shardplan.defaults`), ``"off"`` keeps the step as written.
+    searched where it can help (:mod:`shardplan.parallel.defaults`), ``"off"`` keeps the step as written.
     ``plan``: a :class:`Plan` or a plan file (:meth:`Plan.save`) to compile instead of solving;
     the traced step must be the one it was made for (:class:`PlanMismatchError` says what
     differs). ``mesh`` is then optional (default: the plan's axes over ``jax.devices()``).
 
     Under ``jax.distributed`` every process calls the step; process 0 plans and the plan reaches
-    the others (:mod:`shardplan.multihost`), and every process checks it holds the same plan
+    the others (:mod:`shardplan.plans.multihost`), and every process checks it holds the same plan
     before the first step runs.
 
     >>> @shardplan.auto(mesh="h100-8", memory_budget="60GiB", donate_argnums=(0,))   # doctest: +SKIP
@@ -477,26 +478,26 @@ def plan(fn: Callable, *args, mesh, hardware=None, memory_budget=None, static_ar
     """Plan ``fn(*args, **kwargs)`` without compiling or allocating; arguments may be ``jax.ShapeDtypeStruct``.
 
     Each family left at ``None`` (the default) is searched where it can help
-    (:mod:`shardplan.defaults`): a pipeline on a mesh of several nodes; recomputation, a
+    (:mod:`shardplan.parallel.defaults`): a pipeline on a mesh of several nodes; recomputation, a
     sequence split and (on one node) a pipeline where the step as written does not fit the
     budget. ``"off"`` keeps the step exactly as written; ``plan.warnings`` says which family a
     default chose, and ``plan.explain()`` the best candidate each search's choice beat.
 
-    ``pipeline``: ``"off"`` (no pipeline), a :class:`~shardplan.pipeline.PipelineConfig`, a
+    ``pipeline``: ``"off"`` (no pipeline), a :class:`~shardplan.parallel.pipeline.PipelineConfig`, a
     number of stages, or ``"auto"``: the step is planned inside each candidate pipeline of its
-    layer stack (a plain ``jax.lax.scan`` over stacked layer weights, :mod:`shardplan.stacks`, or
-    a :func:`~shardplan.pipeline.layer_scan`; :mod:`shardplan.pipeline_search`) and the plan with
+    layer stack (a plain ``jax.lax.scan`` over stacked layer weights, :mod:`shardplan.tracing.stacks`, or
+    a :func:`~shardplan.parallel.pipeline.layer_scan`; :mod:`shardplan.parallel.pipeline_search`) and the plan with
     the lowest predicted step that fits is kept; ``plan.pipeline`` says which.
 
     ``remat``: ``"off"`` (the step's recomputation as written), a policy name of
-    :data:`shardplan.recompute.POLICIES` for every layer class, or ``"auto"``: each layer class
-    (a layer stack, or a :func:`~shardplan.recompute.layer_remat` layer) gets the policy that,
+    :data:`shardplan.parallel.recompute.POLICIES` for every layer class, or ``"auto"``: each layer class
+    (a layer stack, or a :func:`~shardplan.parallel.recompute.layer_remat` layer) gets the policy that,
     planned jointly with the sharding, gives the lowest predicted step within the budget
-    (:func:`shardplan.recompute.search`); ``plan.remat`` says which.
+    (:func:`shardplan.parallel.recompute.search`); ``plan.remat`` says which.
 
     ``context``: ``"off"`` (each attention runs as written), a
-    :class:`~shardplan.sequence.ContextConfig`, or ``"auto"``: the step is planned with its
-    attention unsplit and split over the sequence each way :func:`shardplan.sequence.candidates`
+    :class:`~shardplan.parallel.sequence.ContextConfig`, or ``"auto"``: the step is planned with its
+    attention unsplit and split over the sequence each way :func:`shardplan.parallel.sequence.candidates`
     lists (all-gather, Ulysses, ring), the fastest that fits kept; ``plan.context`` says which.
 
     >>> p = shardplan.plan(train_step, abstract_state, abstract_batch, mesh="h100-8")   # doctest: +SKIP
@@ -555,5 +556,5 @@ def _apply(self: Plan, fn, **kwargs) -> AutoFunction:
 
 
 # A plan is a record below the decorator that compiles it: its ``apply`` is the decorator's,
-# set here so that shardplan.plan imports nothing above it.
+# set here so that shardplan.plans.plan imports nothing above it.
 Plan.apply = _apply

@@ -78,7 +78,7 @@ def _time_limit(text: str) -> float:
 
 
 def _byte_size(text: str) -> int:
-    from shardplan.sizes import parse_bytes
+    from shardplan.util.sizes import parse_bytes
     try:
         return parse_bytes(text, what="")
     except ValueError as e:
@@ -133,7 +133,7 @@ def _interruptible():
     its own C-level SIGINT handler for the solve, which stops the search and returns the incumbent
     as FEASIBLE (Python never sees the signal), and resets SIGINT to SIG_DFL afterwards, so that
     the next Ctrl-C would kill the process outright. A Ctrl-C during a CP-SAT solve is only seen
-    once shardplan/solver.py solves with ``catch_sigint_signal = False``.
+    once shardplan/solve/solver.py solves with ``catch_sigint_signal = False``.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -200,14 +200,14 @@ def _cmd_plan(args) -> int:
 
     from shardplan.models.train import reference
     if args.verify is not None:
-        from shardplan import targets
+        from shardplan.compiler import targets
         target = targets.resolve(args.verify, mesh)
         if not targets.available(target):
             print(f"shardplan: error: --verify {target}: the {target.upper()} compiler is not installed; "
                   "pip install 'shardplan[aot]' (or --verify cpu)", file=sys.stderr)
             return 2
     # The planner applies the policy to every layer class, or with "auto" chooses each class's
-    # with the sharding (shardplan.recompute), as remat= does in Python: the same refusals
+    # with the sharding (shardplan.parallel.recompute), as remat= does in Python: the same refusals
     # (offload on a CPU mesh) and the plan says which it applied.
     ref = reference(args.model, scan=args.scan, remat="none")
     print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat or 'default'}, "
@@ -241,7 +241,7 @@ def _cmd_plan(args) -> int:
 
 
 def _say_verified(attempts, mesh, memory_budget, target: str) -> None:
-    from shardplan.sizes import format_bytes
+    from shardplan.util.sizes import format_bytes
     budget = memory_budget if memory_budget is not None else mesh.device.budget_bytes
     compiler = {"gpu": "the GPU compiler (deviceless)", "tpu": "the TPU compiler (deviceless)"}.get(target, "XLA CPU")
     for a in attempts:
@@ -266,7 +266,7 @@ def _cmd_audit(args) -> int:
     # the CUDA plugin does not look for a driver.
     import jax
 
-    from shardplan import targets
+    from shardplan.compiler import targets
     from shardplan.models.train import reference
     target = targets.resolve(args.target, mesh)
     if not targets.available(target):
@@ -293,13 +293,13 @@ def _cmd_audit(args) -> int:
 
 def _remat_for(setting: str | None):
     """``--remat`` as ``remat=``: none (or off) leaves the reference model's layers as written;
-    unset, the default (searched where the step as written does not fit: shardplan.defaults)."""
+    unset, the default (searched where the step as written does not fit: shardplan.parallel.defaults)."""
     return "off" if setting in ("none", "off") else setting
 
 
 def _cmd_mesh(args, extra: list[str]) -> int:
     import shardplan
-    from shardplan.cost import ALL_REDUCE, Comm, CostModel
+    from shardplan.compiler.cost import ALL_REDUCE, Comm, CostModel
     if args.mesh_cmd == "list":
         for name in shardplan.preset_names():
             m = shardplan.load_mesh(name)
@@ -341,8 +341,8 @@ def _mesh_calibrate(args) -> int:
     _fake_cpu_devices(args.cpu_devices)      # CPU: fake devices to measure collectives on
     import jax
 
-    from shardplan.calibrate import calibrate
-    from shardplan.mesh import write_mesh
+    from shardplan.devices.calibrate import calibrate
+    from shardplan.devices.mesh import write_mesh
     given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
     if any(given) and not all(given):
         raise ValueError("--coordinator, --num-processes and --process-id go together: give all three "
@@ -366,8 +366,8 @@ def _mesh_calibrate(args) -> int:
 def _mesh_new(args, extra: list[str]) -> int:
     import re
 
-    from shardplan.cluster import cluster_mesh
-    from shardplan.mesh import write_mesh
+    from shardplan.devices.cluster import cluster_mesh
+    from shardplan.devices.mesh import write_mesh
     ici, dcn = {}, {}
     it = iter(extra)
     for flag in it:

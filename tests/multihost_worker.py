@@ -1,4 +1,4 @@
-"""One process of the 2-process tests (tests/test_multihost.py): 4 CPU devices, gloo collectives.
+"""One process of the 2-process tests (tests/plans/test_multihost.py): 4 CPU devices, gloo collectives.
 
     python tests/multihost_worker.py PROCESS_ID PORT MODE OUT
 
@@ -24,8 +24,8 @@ pid, port, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 
 import shardplan  # noqa: E402
-from shardplan import planner  # noqa: E402
 from shardplan.models.train import reference  # noqa: E402
+from shardplan.planning import planner  # noqa: E402
 
 if pid != 0:
     def refuse(*a, **k):

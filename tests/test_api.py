@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shardplan
-from shardplan import planner
+from shardplan.planning import planner
 
 MESH = shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4})
 
@@ -228,8 +228,8 @@ def test_a_python_scalar_step_counter_compiles_once(tmp_path):
 def test_a_plan_that_does_not_fit_ends_its_progress_saying_so_and_kept_lines_are_whole(monkeypatch):
     import io
 
-    from shardplan import progress
     from shardplan.errors import InfeasibleBudgetError
+    from shardplan.util import progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -250,7 +250,7 @@ def test_a_plan_that_does_not_fit_ends_its_progress_saying_so_and_kept_lines_are
 def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path, monkeypatch):
     import io
 
-    from shardplan import progress
+    from shardplan.util import progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -279,7 +279,7 @@ def test_progress_shows_each_stage_on_a_terminal_and_nothing_elsewhere(tmp_path,
 def test_the_collector_is_paused_while_a_search_plans_and_restored_after(monkeypatch):
     import gc
 
-    from shardplan import search
+    from shardplan.planning import search
     seen = []
     real = search.plan_jaxpr
 

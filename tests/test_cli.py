@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from shardplan.cli import main
+from shardplan.devices.mesh import load_mesh, mesh_from_dict, to_toml
 from shardplan.errors import MeshConfigError
-from shardplan.mesh import load_mesh, mesh_from_dict, to_toml
 
 GOOD = to_toml(load_mesh("h100-8"))
 ENV = {**os.environ, "CI": "true"}
@@ -209,7 +209,7 @@ def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
     assert m.device.offload_bandwidth > 1e8 and "offload_seconds" in m.calibration
     assert m.device.host_bandwidth == load_mesh("cpu-8").device.host_bandwidth
     # The measured links price the collectives.
-    from shardplan.cost import ALL_REDUCE, Comm, CostModel
+    from shardplan.compiler.cost import ALL_REDUCE, Comm, CostModel
     t = CostModel(m).collective_time(Comm(ALL_REDUCE, ("model",), 2**20))
     link = m.axis("model").link
     assert t == pytest.approx(2 * (3 / 4 * 2**20 / link.bandwidth + 3 * link.latency))
@@ -220,7 +220,7 @@ def test_mesh_calibrate_writes_a_file_the_planner_uses(tmp_path):
 
 
 def test_fit_ring_recovers_bandwidth_and_latency():
-    from shardplan.calibrate import fit_ring
+    from shardplan.devices.calibrate import fit_ring
     sizes = np.array([2**12, 2**16, 2**20, 2**22])
     n, bw, lat = 4, 3e9, 5e-5
     seconds = 2 * (n - 1) * lat + 2 * (n - 1) / n * sizes / bw
@@ -248,7 +248,7 @@ def test_plan_command_with_remat_plans_less_memory(capsys):
     # (its host and device memory are one), not planned as if it saved something.
     assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--remat", "offload"]) == 2
     assert "remat='offload' holds residuals in host memory" in capsys.readouterr().err
-    from shardplan.sizes import parse_bytes
+    from shardplan.util.sizes import parse_bytes
     assert parse_bytes(peaks["full"]) < parse_bytes(peaks["none"])
     # auto: the layer stack's policy chosen with the sharding; a budget no plan without recomputation meets.
     budget = (parse_bytes(peaks["full"]) + parse_bytes(peaks["none"])) // 2
@@ -362,7 +362,7 @@ def test_bad_flag_values_in_a_process(name, bad_flag_processes):
 
 def test_json_write_failure_leaves_no_file(tmp_path, capsys, monkeypatch):
     from shardplan import cli
-    from shardplan.plan import Plan
+    from shardplan.plans.plan import Plan
     path = tmp_path / "plan.json"
     assert main([*PLAN, "--json", str(path)]) == 0
     assert Plan.from_json(path.read_text()).mesh_name == "cpu-8" and os.listdir(tmp_path) == ["plan.json"]
@@ -491,7 +491,7 @@ def _interrupt(argv, marker, cwd, delay=0.0, within=60):
 # planning: gpt-tiny plans in half a second, which a busy test process can take to read the line.
 ANNOUNCE_PLAN = """
 import sys, time
-import shardplan.search as search
+import shardplan.planning.search as search
 
 def announced(*args, **kwargs):
     print("test: planning", file=sys.stderr, flush=True)
@@ -554,9 +554,9 @@ def test_plan_command_pipelines_the_reference_model(capsys):
 @pytest.mark.slow
 def test_plan_command_searches_recomputation_by_default_where_the_step_does_not_fit(capsys):
     """No --remat: the reference model as written, and where that does not fit the budget, the
-    recomputation the planner chooses (tests/test_defaults.py lists the families of a budget
+    recomputation the planner chooses (tests/parallel/test_defaults.py lists the families of a budget
     nothing meets)."""
-    from shardplan.sizes import parse_bytes
+    from shardplan.util.sizes import parse_bytes
     peaks = {}
     for remat in ("off", "full"):
         assert main(["plan", "--model", "gpt-tiny", "--mesh", "cpu-8", "--batch", "64", "--remat", remat,

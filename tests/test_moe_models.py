@@ -180,7 +180,7 @@ PLANNED = [("mixtral-tiny", {"data": 2, "model": 4}, True),
 def test_planned_moe_matches_the_plain_step(name, axes, scan, capfd):
     # 3 AdamW steps' losses within 1e-5 of jax.jit's; on a mesh with an `expert` axis every
     # expert weight is split over it, and the compiled all-to-all bytes are the predicted ones.
-    from shardplan.hlo import collectives
+    from shardplan.compiler.hlo import collectives
     ref = reference(name, scan=scan)
     state, batch = ref.init(jax.random.key(0)), ref.batch(8)
     planned = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes=axes), time_limit=2)
@@ -217,7 +217,7 @@ def test_experts_split_within_pipeline_stages_train_like_the_plain_step():
     # Expert parallelism with pipeline, data and FSDP-style splits at once: the layers' stacked
     # experts over `stage` and `expert` (and their embedding dimension over `data`), GPipe over 2
     # stages x 4 microbatches; the balance loss rides in the pipeline's carry.
-    from shardplan.pipeline import PipelineConfig
+    from shardplan.parallel.pipeline import PipelineConfig
     ref = reference("mixtral-tiny", scan=True, n_layers=4)
     state, batch = ref.init(jax.random.key(0)), ref.batch(16)
     f = shardplan.auto(ref.train_step, mesh=shardplan.load_mesh("cpu-8", axes={"stage": 2, "data": 2, "expert": 2}),

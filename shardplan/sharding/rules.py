@@ -1,0 +1,587 @@
+"""How each primitive relates the shardings of its operands and results.
+
+Every rule adds to the graph either unions (same-shape elementwise ops: one sharding for all),
+a :class:`~shardplan.ir.graph.DotOp`, or :class:`~shardplan.ir.graph.PairEdge` relations whose cost the
+planner prices. A primitive without a rule and not elementwise falls back to a safe choice: its
+operands are gathered to replicated and its result is sliced from that, with one warning naming
+the primitive and the source line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.compiler.layout import tiled
+from shardplan.ir.graph import DotOp, Graph, ManualRegion, PairEdge
+from shardplan.tracing.manual import MANUAL_PRIMITIVE, body_peak, region_specs
+from shardplan.tracing.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
+from shardplan.tracing.walk import is_shift, source_of
+
+Spec = tuple[tuple[str, ...], ...]
+
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+               "reduce_xor"}
+# Params that do not stop a same-shape op from being elementwise. ``reshard`` (``dst_sharding``:
+# NNX draws dropout masks through it under ``nnx.vmap``) moves no data on the planner's Auto axes.
+_ELEMENTWISE_PARAMS = {"accuracy", "new_dtype", "weak_type", "sharding", "y", "out_dtype", "exponent_bits",
+                       "mantissa_bits", "dst_sharding", "concrete_mesh"}
+# Primitives of jax.random: key creation, splitting, folding and bit generation.
+_RANDOM = {"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_bits",
+           "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform"}
+_WINDOWED = {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+             "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"}
+_SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+
+
+def _clear(spec: Spec, dims) -> Spec:
+    return tuple(() if d in dims else axes for d, axes in enumerate(spec))
+
+
+def _rank(g: Graph, t) -> int:
+    return g.tensors[t].rank if t is not None else 0
+
+
+def _bf16_pass(g: Graph, eqn, lhs, rhs) -> bool:
+    """Whether a dot or convolution multiplies float32 operands at DEFAULT precision (on a TPU,
+    one bfloat16 pass: its operands move as bfloat16)."""
+    if lhs is None or rhs is None or any(g.tensors[t].dtype.name != "float32" for t in (lhs, rhs)):
+        return False
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return True
+    precision = precision if isinstance(precision, tuple) else (precision, precision)
+    return all(p is None or getattr(p, "name", str(p)) == "DEFAULT" for p in precision)
+
+
+def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
+    prim = eqn.primitive.name
+    p = eqn.params
+    out = outs[0] if outs else None
+    operands = [t for t in ins if t is not None and _rank(g, t) > 0]
+    shape_out = g.tensors[out].shape if out is not None else ()
+
+    def edge(src, dst, required=None, produced=None, passthrough=None, rewrite=None, sized=False):
+        if src is not None and dst is not None:
+            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced, passthrough=passthrough,
+                                rewrite=rewrite, sized=sized))
+
+    if prim == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lhs, rhs = ins
+        lr, rr = _rank(g, lhs), _rank(g, rhs)
+        dims = [(l, r, k) for k, (l, r) in enumerate(zip(lb, rb))]
+        lfree = [d for d in range(lr) if d not in lc and d not in lb]
+        rfree = [d for d in range(rr) if d not in rc and d not in rb]
+        k = len(lb)
+        dims += [(d, None, k + i) for i, d in enumerate(lfree)]
+        dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
+        dims += [(l, r, None) for l, r in zip(lc, rc)]
+        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source),
+                            bf16_pass=_bf16_pass(g, eqn, lhs, rhs)))
+        return
+
+    if prim in _RANDOM:
+        # Keys and counters are read whole (replicated); the bits may come out in any sharding:
+        # with partitionable threefry (jax's default) each device draws exactly its shard's bits.
+        if prim == "threefry2x32":
+            for t in operands:
+                for o in outs:
+                    if g.tensors[t].shape == g.tensors[o].shape:
+                        g.union(t, o)
+            return
+        for o in outs:
+            for t in operands:
+                edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+        return
+
+    if prim == "conv_general_dilated":
+        _conv_rule(g, eqn, ins, out, mult)
+        return
+
+    if prim in _WINDOWED:
+        # Pooling and its gradient: dims the window slides over (or strides, pads, dilates) are
+        # whole on every device; batch and feature dims keep any sharding.
+        w = p["window_dimensions"]
+        moved = {d for d in range(len(w)) if w[d] != 1 or p["window_strides"][d] != 1
+                 or tuple(p["padding"][d]) != (0, 0)
+                 or (p.get("base_dilation") or (1,) * len(w))[d] != 1
+                 or (p.get("window_dilation") or (1,) * len(w))[d] != 1}
+        for t in operands:
+            if _rank(g, t) == len(w):
+                edge(t, out, required=lambda s, moved=moved: _clear(s, moved))
+        return
+
+    if prim == "top_k":
+        # XLA's TPU compiler splits top_k along its other dims; the CPU and GPU compilers run it as
+        # a custom call on the whole operand, all-gathered first (checked on both, deviceless GPU).
+        rank = _rank(g, ins[0])
+        whole = set(range(rank)) if not tiled(g.device) else {rank - 1}
+        for o in outs:
+            edge(ins[0], o, required=lambda s, whole=whole: _clear(s, whole))
+        return
+
+    if prim == "sharding_constraint":
+        _constraint_rule(g, eqn, ins[0], out, edge)
+        return
+
+    if prim == "device_put":
+        _device_put_rule(g, eqn, ins, outs, edge)
+        return
+
+    if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
+        for t, o in zip(ins, outs):
+            if t is not None and _rank(g, t):
+                g.union(t, o)
+        return
+
+    if prim in _REDUCTIONS:
+        axes = set(p["axes"])
+        kept = [d for d in range(_rank(g, ins[0])) if d not in axes]
+
+        def produced(spec, kept=kept, axes=axes):
+            partial = tuple(a for d in axes for a in spec[d])
+            return tuple(spec[d] for d in kept), partial
+        edge(ins[0], out, produced=produced)
+        return
+
+    if prim in ("argmax", "argmin"):
+        axis = p["axes"][0]
+        edge(ins[0], out, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+        return
+
+    if prim == "unstack":       # lax.unstack; from jax 0.12 also `a, b = x` (slice + squeeze before)
+        axis = p["axis"]
+        for o in outs:
+            edge(ins[0], o, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+        return
+
+    if prim == "stack":         # unstack's transpose (jax >= 0.12): the result gains `axis`
+        axis = p["axis"]
+        for t in ins:
+            edge(t, out, required=lambda s, axis=axis: s[:axis] + s[axis + 1:])
+        return
+
+    if prim == "broadcast_in_dim":
+        bd = p["broadcast_dimensions"]
+        shape_in = g.tensors[ins[0]].shape if ins[0] is not None else ()
+
+        def required(s, bd=bd, shape_in=shape_in):
+            return tuple(s[o] if shape_in[i] == shape_out[o] else () for i, o in enumerate(bd))
+        edge(ins[0], out, required=required)
+        return
+
+    if prim == "transpose":
+        perm = p["permutation"]
+        inv = [perm.index(d) for d in range(len(perm))]
+        edge(ins[0], out, required=lambda s, inv=inv: tuple(s[inv[d]] for d in range(len(inv))))
+        return
+
+    if prim in ("reshape", "squeeze", "expand_dims"):
+        shape_in = g.tensors[ins[0]].shape
+        edge(ins[0], out, required=_reshape_rule(shape_in, shape_out), sized=True)
+        return
+
+    if prim in ("slice", "pad", "dynamic_slice", "rev", "tile") or prim in _SCANS_ALONG_AXIS or prim == "sort":
+        src = ins[0]
+        shape_in = g.tensors[src].shape
+        if prim == "rev":
+            changed = set(p["dimensions"])
+        elif prim == "tile":
+            changed = {d for d, r in enumerate(p["reps"]) if r != 1}
+        elif prim in _SCANS_ALONG_AXIS:
+            changed = {p["axis"]}
+        elif prim == "sort":
+            changed = {p["dimension"]}
+        else:
+            changed = {d for d in range(len(shape_in)) if shape_in[d] != shape_out[d]}
+        for o in outs if prim == "sort" else [out]:
+            for t in (ins if prim == "sort" else [src]):
+                edge(t, o, required=lambda s, changed=changed: _clear(s, changed))
+        return
+
+    if prim in ("concatenate", "split"):
+        dim = p["dimension"] if prim == "concatenate" else p["axis"]
+        pairs = [(t, out) for t in ins] if prim == "concatenate" else [(ins[0], o) for o in outs]
+        for src, dst in pairs:
+            edge(src, dst, required=lambda s, dim=dim: _clear(s, {dim}))
+        return
+
+    if prim == "dynamic_update_slice":
+        operand, update = ins[0], ins[1]
+        g.union(operand, out)
+        shape_up = g.tensors[update].shape
+        changed = {d for d in range(len(shape_out)) if shape_up[d] != shape_out[d]}
+        edge(update, out, required=lambda s, changed=changed: _clear(s, changed))
+        return
+
+    if prim == "gather":
+        _gather_rule(g, eqn, ins, out, edge)
+        return
+
+    if prim in ("scatter-add", "scatter_add"):
+        _scatter_add_rule(g, eqn, ins, out, edge)
+        return
+
+    if prim == "scatter":
+        _scatter_rule(g, eqn, ins, out, edge)
+        return
+
+    if prim == MANUAL_PRIMITIVE and _manual_rule(g, eqn, ins, outs, mult, edge):
+        return
+
+    if is_shift(eqn):
+        # The pipeline's stage shift: its result keeps its operand's sharding; where the rolled
+        # dimension is split, XLA moves each device's edge rows on (a collective-permute,
+        # priced per spec by the strategies' enumerator). One of constants alone (partial
+        # evaluation's known part) is computed where it is used and moves nothing.
+        if not ins or ins[0] is None:
+            return
+        g.union(ins[0], out)
+        g.shifts.add(out)
+        return
+
+    if prim == "iota" or not operands:
+        return
+
+    # Elementwise, where an operand may also broadcast along its size-1 dims.
+    if len(outs) == 1 and set(p) <= _ELEMENTWISE_PARAMS and all(
+            len(g.tensors[t].shape) == len(shape_out)
+            and all(a in (b, 1) for a, b in zip(g.tensors[t].shape, shape_out)) for t in operands):
+        for t in operands:
+            shape_in = g.tensors[t].shape
+            if shape_in == shape_out:
+                g.union(t, out)
+            else:
+                ones = {d for d, n in enumerate(shape_in) if n != shape_out[d]}
+                edge(t, out, required=lambda s, ones=ones: _clear(s, ones))
+        return
+
+    g.warn_once(prim, f"shardplan: no sharding rule for primitive {prim!r} at {source_of(eqn, g.call_source)}; "
+                      "its operands are gathered to replicated (correct, maybe slow)")
+    for o in outs:
+        for t in operands:
+            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
+    """``shard_map``: each operand resharded to its ``in_specs`` entry, each result held at its
+    ``out_specs`` entry; the body's own costs are read at planning (:mod:`shardplan.tracing.manual`).
+    Where the region leaves some of its mesh axes automatic, its operands are gathered to
+    replicated (a warning says why)."""
+    region = eqn.params["mesh"]
+    sizes = dict(zip(region.axis_names, region.axis_sizes))
+    specs = region_specs(eqn, sizes)
+    if specs is None:
+        auto = sorted(set(region.axis_names) - set(eqn.params.get("newly_manual_axes") or ()))
+        g.warn_once(f"shard_map {source_of(eqn, g.call_source)}",
+                    f"shardplan: the shard_map at {source_of(eqn, g.call_source)} leaves mesh axes {auto} automatic "
+                    "(axis_names=), which the planner cannot plan around: its operands are gathered to replicated "
+                    "(correct, maybe slow); make it manual over every mesh axis to have it planned around")
+        for o in outs:
+            for t in ins:
+                if t is not None and _rank(g, t):
+                    edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+        return True
+    in_specs, out_specs = specs
+    source = source_of(eqn, g.call_source)
+    ranked = [o for o in outs if o is not None and _rank(g, o)]
+    for t, spec in zip(ins, in_specs):
+        if t is not None and _rank(g, t) and ranked:
+            edge(t, ranked[0], required=lambda s, spec=spec: spec)
+    for o, spec in zip(outs, out_specs):
+        if o is not None:
+            for d, axes in enumerate(spec):
+                g.require(o, d, axes, source)
+    g.manual.append(ManualRegion(tuple(sizes.items()), eqn.params["jaxpr"], mult,
+                                 ranked[0] if ranked else None, source, tuple(ins), tuple(outs),
+                                 body_peak(eqn.params["jaxpr"])))
+    return True
+
+
+def _device_put_rule(g: Graph, eqn, ins, outs, edge) -> None:
+    """``jax.device_put`` inside the step, one operand at a time. To a memory space (a
+    ``jax.checkpoint`` policy offloading a residual to the host and fetching it back) or nowhere
+    in particular: the result keeps the operand's sharding, and a move between device and host
+    memory is a transfer (:attr:`~shardplan.ir.graph.Graph.transfers`). To a ``NamedSharding``: a
+    sharding constraint. To one device: gathered there (replicated)."""
+    for k, (t, o) in enumerate(zip(ins, outs)):
+        dst = eqn.params["devices"][k]
+        if t is None or o is None or not _rank(g, t):
+            continue
+        if dst is None or type(dst).__name__ == "MemorySpace":
+            g.union(t, o)
+            if g.tensors[t].host != g.tensors[o].host:
+                g.transfers.add(o)
+                if g.tensors[o].host and not any(part.endswith((".scan", ".while")) for part in g.prefix.split("/")):
+                    g.fetched_early.add(o)
+                    if g.host_apart:
+                        where = source_of(eqn, g.call_source)
+                        g.warn_once("offload outside a loop", f"shardplan: a value offloaded to host memory outside "
+                                    f"any loop (at {where}): XLA's GPU and TPU compilers start its copy back to the "
+                                    "device as early as they can, so it saves no device memory; it is counted "
+                                    "there. Offload pays inside a scanned layer stack (jax.lax.scan, "
+                                    "shardplan.layer_scan)")
+        elif getattr(dst, "spec", None) is not None:
+            edge(t, o, required=lambda s: s)
+            if g.tensors[t].host != g.tensors[o].host:
+                g.transfers.add(o)
+            spec = tuple(dst.spec)
+            for d in range(_rank(g, o)):
+                entry = spec[d] if d < len(spec) else None
+                g.require(o, d, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry),
+                          source_of(eqn, g.call_source))
+        else:
+            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:
+    """``with_sharding_constraint``: the result is sharded as the constraint says on every
+    dimension it names (``None``: unsharded), free on its ``UNCONSTRAINED`` ones; the operand is
+    resharded to it (priced, as XLA does)."""
+    edge(src, out, required=lambda s: s)
+    spec = getattr(eqn.params["sharding"], "spec", None)
+    if spec is None:
+        g.warn_once(f"constraint {source_of(eqn, g.call_source)}", "shardplan: a sharding constraint at "
+                    f"{source_of(eqn, g.call_source)} is not a NamedSharding; the planner does not hold it")
+        return
+    free = eqn.params.get("unconstrained_dims") or ()
+    for d in range(_rank(g, out)):
+        if d in free:
+            continue
+        entry = spec[d] if d < len(spec) else None
+        g.require(out, d, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry),
+                  source_of(eqn, g.call_source))
+
+
+def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
+    """A convolution as a dot: batch (lhs, out), output features (rhs, out), input features
+    contracted; output positions and the kernel window never sharded (XLA would need halo
+    exchanges), nor grouped features (depthwise convolutions: only the batch splits)."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    lhs, rhs = ins[0], ins[1]
+    lshape, rshape, oshape = g.tensors[lhs].shape, g.tensors[rhs].shape, g.tensors[out].shape
+    grouped = p["feature_group_count"] > 1 or p["batch_group_count"] > 1
+    dims = [(lhs_spec[0], None, out_spec[0]), (None, rhs_spec[0], out_spec[1]), (lhs_spec[1], rhs_spec[1], None)]
+    sizes = [lshape[lhs_spec[0]] // p["batch_group_count"], rshape[rhs_spec[0]], rshape[rhs_spec[1]]]
+    fixed = {1, 2} if grouped else set()
+    if p["batch_group_count"] > 1:
+        fixed.add(0)
+    for i in range(len(lhs_spec) - 2):
+        fixed.add(len(dims))
+        dims.append((lhs_spec[2 + i], None, out_spec[2 + i]))
+        sizes.append(oshape[out_spec[2 + i]])
+        fixed.add(len(dims))
+        dims.append((None, rhs_spec[2 + i], None))
+        sizes.append(rshape[rhs_spec[2 + i]])
+    g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source), frozenset(fixed), tuple(sizes),
+                        bf16_pass=_bf16_pass(g, eqn, lhs, rhs)))
+
+
+def _reshape_rule(shape_in, shape_out):
+    """Map an output spec back to the input through groups of dims whose sizes multiply equally.
+
+    An output dim's mesh axes carry over to the input dims of its group, major to minor: each
+    axis to the first dim (size-1 dims skipped) whose size left over by the axes before it the
+    axis's size divides, moving on only once those axes have used up a dim. A batch of 1024 rows
+    over ``('data', 'model')`` (16 x 8) reshaped from ``(16, 1, 64)`` rows needs ``data`` on the
+    16 and ``model`` on the 64. An axis that fits no dim so, and every axis after it, must be
+    gathered first; so must a sharded output dim that is not its group's major one.
+    """
+    groups, i, j = [], 0, 0
+    while i < len(shape_in) or j < len(shape_out):
+        gi, gj = [i] if i < len(shape_in) else [], [j] if j < len(shape_out) else []
+        pi = shape_in[i] if i < len(shape_in) else 1
+        pj = shape_out[j] if j < len(shape_out) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while pi != pj:
+            if pi < pj and i < len(shape_in):
+                pi *= shape_in[i]
+                gi.append(i)
+                i += 1
+            elif j < len(shape_out):
+                pj *= shape_out[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+
+    def required(s, sizes):
+        req = [[] for _ in shape_in]
+        for gi, gj in groups:
+            major_out = next((o for o in gj if shape_out[o] != 1), None)
+            dims = [d for d in gi if shape_in[d] != 1]
+            if major_out is None or not dims:
+                continue
+            # only the major output dim of a group maps cleanly
+            if any(s[o] for o in gj if o != major_out):
+                continue
+            k, left = 0, shape_in[dims[0]]
+            for axis in s[major_out]:
+                n = sizes[axis]
+                if left == 1 and k + 1 < len(dims):
+                    k += 1
+                    left = shape_in[dims[k]]
+                if left % n:
+                    break
+                req[dims[k]].append(axis)
+                left //= n
+        return tuple(tuple(axes) for axes in req)
+    return required
+
+
+def _gather_rule(g, eqn, ins, out, edge):
+    dn = eqn.params["dimension_numbers"]
+    slice_sizes = eqn.params["slice_sizes"]
+    operand, indices = ins[0], ins[1]
+    op_shape = g.tensors[operand].shape
+    idx_rank = _rank(g, indices)
+    out_rank = _rank(g, out)
+    offset_dims = list(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset_dims]
+    idx_batch = list(range(idx_rank - 1))      # the last indices dim is the index vector
+    out_of_idx = dict(zip(idx_batch, batch_out))
+    op_batching = list(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = list(getattr(dn, "start_indices_batching_dims", ()))
+    window = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching]
+    out_of_op = dict(zip(window, offset_dims))
+    for od, idd in zip(op_batching, idx_batching):
+        out_of_op[od] = out_of_idx[idd]
+
+    def operand_required(s):
+        return tuple(s[out_of_op[d]] if d in out_of_op and (d in op_batching or slice_sizes[d] == op_shape[d])
+                     else () for d in range(len(op_shape)))
+
+    def indices_required(s):
+        return tuple(s[out_of_idx[d]] if d in out_of_idx else () for d in range(idx_rank))
+
+    def operand_passthrough(src, dst):
+        # XLA's gather partitioner keeps an operand sharded along whole window (or batching) dims
+        # and gathers in place: those dims of the result come out sharded the same way, its
+        # index dims follow the indices (priced on their own edge, in the result's spec).
+        spec = [()] * out_rank
+        for d, axes in enumerate(src):
+            if not axes:
+                continue
+            if d not in out_of_op or not (d in op_batching or slice_sizes[d] == op_shape[d]):
+                return None
+            spec[out_of_op[d]] = axes
+        used = {a for axes in spec for a in axes}
+        for od in batch_out:
+            if not spec[od]:
+                spec[od] = tuple(a for a in dst[od] if a not in used)
+                used.update(spec[od])
+        return tuple(spec)
+    rewrite = None
+    if vocab_parallel_applies(eqn):
+        def vocab_parallel(src, dst):
+            # A row lookup from a table split by rows (an embedding split over its vocabulary):
+            # each device looks up the ids in its rows, the partial results are summed.
+            rows = src[0]
+            if not rows or any(a in rows for axes in dst for a in axes):
+                return None
+            made = tuple(dst[d] if d in batch_out else () for d in range(out_rank))
+            for d, axes in enumerate(src[1:], start=1):
+                if any(a in axes for b in made for a in b):
+                    return None
+                made = made[:out_of_op[d]] + (axes,) + made[out_of_op[d] + 1:]
+            return VOCAB_PARALLEL_GATHER, made, rows
+        rewrite = vocab_parallel
+    edge(operand, out, required=operand_required, passthrough=operand_passthrough, rewrite=rewrite)
+    edge(indices, out, required=indices_required)
+
+
+@dataclasses.dataclass
+class _ScatterDims:
+    """How a scatter's operand (and result), indices and updates dimensions correspond."""
+
+    op_shape: tuple
+    up_shape: tuple
+    idx_rank: int
+    scatter_up: list        # the updates' dims that index (one per index, not window dims)
+    window_op: list         # the operand's window dims (neither inserted nor batching)
+    op_batching: list
+    up_of_op: dict          # operand dim -> the updates' dim over it (window and batching dims)
+    up_of_idx: dict         # indices dim -> the updates' dim over it
+    idx_of_op: dict         # operand batching dim -> the indices' batching dim
+
+    @classmethod
+    def of(cls, g, eqn, operand, indices, updates) -> _ScatterDims:
+        dn = eqn.params["dimension_numbers"]
+        up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, operand), _rank(g, indices)
+        window_up = list(dn.update_window_dims)
+        scatter_up = [d for d in range(up_rank) if d not in window_up]
+        op_batching = list(getattr(dn, "operand_batching_dims", ()))
+        idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
+        window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
+        up_of_op = dict(zip(window_op, window_up))
+        up_of_idx = dict(zip(range(idx_rank - 1), scatter_up))
+        idx_of_op = dict(zip(op_batching, idx_batching))
+        for od, idd in idx_of_op.items():
+            up_of_op[od] = up_of_idx[idd]
+        return cls(g.tensors[operand].shape, g.tensors[updates].shape, idx_rank, scatter_up, window_op,
+                   op_batching, up_of_op, up_of_idx, idx_of_op)
+
+    def whole(self, d: int) -> bool:
+        """Whether the updates cover operand dim ``d`` whole (a dim each device can keep its shard of)."""
+        return d in self.up_of_op and self.op_shape[d] == self.up_shape[self.up_of_op[d]]
+
+
+def _scatter_rule(g, eqn, ins, out, edge):
+    """A scatter that overwrites (``x.at[i].set(u)``): each device writes its own shard of the
+    result, from the updates split as the result is on the window dims the scatter keeps whole
+    (and on the batching dims of a vmapped scatter, with the indices), whole on the others: a
+    write cannot be split into partial results to sum, as a scatter-add's can."""
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    g.union(operand, out)
+    m = _ScatterDims.of(g, eqn, operand, indices, updates)
+
+    def updates_spec(dst):
+        spec = [()] * len(m.up_shape)
+        for d, u in m.up_of_op.items():
+            if m.whole(d):
+                spec[u] = dst[d]
+        return tuple(spec)
+    edge(updates, out, required=updates_spec)
+    if indices is not None and m.idx_rank:
+        edge(indices, out, required=lambda dst: tuple(
+            next((dst[od] for od, idd in m.idx_of_op.items() if idd == d), ()) for d in range(m.idx_rank)))
+
+
+def _scatter_add_rule(g, eqn, ins, out, edge):
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    g.union(operand, out)
+    m = _ScatterDims.of(g, eqn, operand, indices, updates)
+    op_rank, idx_rank, up_of_op, window_op = len(m.op_shape), m.idx_rank, m.up_of_op, m.window_op
+
+    def produced(s):
+        spec = tuple(s[up_of_op[d]] if m.whole(d) else () for d in range(op_rank))
+        used = {a for axes in spec for a in axes}
+        partial = tuple(a for d in m.scatter_up for a in s[d] if a not in used)
+        return spec, partial
+
+    passthrough_dims = {d for d in window_op if m.whole(d)}
+
+    def operand_passthrough(s, dst):
+        # XLA's "operand passthrough" scatter: where the result is split along whole window dims,
+        # the updates are resharded to be split the same way on their window dims (keeping what
+        # they split on their scatter dims on other axes: partial sums, reduced after the local
+        # scatter), and each device scatters into its own shard of those dims. A result split on
+        # other dims too (an embedding table's rows) is held whole along them while it is
+        # scattered into, its partial sums all-reduced, then sliced. None where no whole window
+        # dim is split: XLA scatters the updates as they are.
+        through = {d for d, axes in enumerate(dst) if axes and d in passthrough_dims}
+        if not through:
+            return None
+        taken = {a for d in through for a in dst[d]}
+        need = [tuple(a for a in axes if a not in taken) for axes in s]
+        for d, u in up_of_op.items():
+            if d in window_op:
+                need[u] = dst[d] if d in through else ()
+        return tuple(need)
+    edge(updates, out, produced=produced, passthrough=operand_passthrough)
+    if indices is not None and idx_rank:
+        edge(indices, updates, required=lambda s: tuple(s[m.up_of_idx[d]] if d in m.up_of_idx else ()
+                                                        for d in range(idx_rank)))

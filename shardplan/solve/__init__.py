@@ -1,0 +1,1 @@
+"""The ILP and its helpers: exact simplification, tying repeated layers, exact elimination, the OR-Tools solve."""

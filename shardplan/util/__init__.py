@@ -1,0 +1,1 @@
+"""Small helpers every layer uses: byte sizes as people write them, progress for long runs."""
