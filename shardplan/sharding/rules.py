@@ -10,6 +10,7 @@ the primitive and the source line.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from shardplan.compiler.layout import tiled
 from shardplan.ir.graph import DotOp, Graph, ManualRegion, PairEdge
@@ -53,221 +54,317 @@ def _bf16_pass(g: Graph, eqn, lhs, rhs) -> bool:
     return all(p is None or getattr(p, "name", str(p)) == "DEFAULT" for p in precision)
 
 
-def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
-    prim = eqn.primitive.name
-    p = eqn.params
-    out = outs[0] if outs else None
-    operands = [t for t in ins if t is not None and _rank(g, t) > 0]
-    shape_out = g.tensors[out].shape if out is not None else ()
+@dataclasses.dataclass
+class Site:
+    """One equation of the step as its rule sees it: the graph being built, the equation, its
+    operand and result tensors (``None`` for a literal) and how many times a step runs it."""
+    g: Graph
+    eqn: object
+    ins: list
+    outs: list
+    mult: float
 
-    def edge(src, dst, required=None, produced=None, passthrough=None, rewrite=None, sized=False):
+    @property
+    def prim(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    @property
+    def out(self):
+        return self.outs[0] if self.outs else None
+
+    @property
+    def operands(self) -> list:
+        """The operands that are arrays of rank one or more."""
+        return [t for t in self.ins if t is not None and _rank(self.g, t) > 0]
+
+    @property
+    def shape_out(self) -> tuple:
+        return self.g.tensors[self.out].shape if self.out is not None else ()
+
+    def rank(self, t) -> int:
+        return _rank(self.g, t)
+
+    def edge(self, src, dst, required=None, produced=None, passthrough=None, rewrite=None, sized=False):
+        """A :class:`PairEdge` from ``src`` to ``dst``: ``required`` maps ``dst``'s spec to the one
+        ``src`` must have; ``produced`` maps ``src``'s spec to ``dst``'s and the axes left partial."""
         if src is not None and dst is not None:
-            g.add_edge(PairEdge(src, dst, prim, mult, required=required, produced=produced, passthrough=passthrough,
-                                rewrite=rewrite, sized=sized))
+            self.g.add_edge(PairEdge(src, dst, self.prim, self.mult, required=required, produced=produced,
+                                     passthrough=passthrough, rewrite=rewrite, sized=sized))
 
-    if prim == "dot_general":
-        (lc, rc), (lb, rb) = p["dimension_numbers"]
-        lhs, rhs = ins
-        lr, rr = _rank(g, lhs), _rank(g, rhs)
-        dims = [(l, r, k) for k, (l, r) in enumerate(zip(lb, rb))]
-        lfree = [d for d in range(lr) if d not in lc and d not in lb]
-        rfree = [d for d in range(rr) if d not in rc and d not in rb]
-        k = len(lb)
-        dims += [(d, None, k + i) for i, d in enumerate(lfree)]
-        dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
-        dims += [(l, r, None) for l, r in zip(lc, rc)]
-        g.dots.append(DotOp(lhs, rhs, out, tuple(dims), mult, source_of(eqn, g.call_source),
-                            bf16_pass=_bf16_pass(g, eqn, lhs, rhs)))
+    def replicated(self, src, dst):
+        """``src`` gathered whole (replicated) to make ``dst``."""
+        self.edge(src, dst, required=lambda s, r=_rank(self.g, src): ((),) * r)
+
+    def whole_along(self, src, dst, dims):
+        """``dst`` keeps ``src``'s sharding but for ``dims``, which are whole on every device."""
+        self.edge(src, dst, required=lambda s, dims=frozenset(dims): _clear(s, dims))
+
+
+# The rules, by primitive name: each adds unions, dots or pair edges for one equation.
+RULES: dict[str, Callable[[Site], None]] = {}
+
+
+def rule(*primitives: str):
+    """Register the decorated function as the rule of ``primitives``."""
+    def register(fn):
+        for name in primitives:
+            assert name not in RULES, f"two rules for {name!r}"
+            RULES[name] = fn
+        return fn
+    return register
+
+
+def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
+    """Add ``eqn``'s relations to ``g``: its primitive's rule, else the elementwise rule, else the
+    safe fallback (operands gathered to replicated, one warning naming the primitive)."""
+    site = Site(g, eqn, ins, outs, mult)
+    RULES.get(site.prim, default_rule)(site)
+
+
+@rule("dot_general")
+def dot_rule(site: Site) -> None:
+    """A :class:`DotOp`: each dimension of the result, and each contracted pair, as operand dims."""
+    g, ins = site.g, site.ins
+    (lc, rc), (lb, rb) = site.params["dimension_numbers"]
+    lhs, rhs = ins
+    lr, rr = _rank(g, lhs), _rank(g, rhs)
+    dims = [(l, r, k) for k, (l, r) in enumerate(zip(lb, rb))]
+    lfree = [d for d in range(lr) if d not in lc and d not in lb]
+    rfree = [d for d in range(rr) if d not in rc and d not in rb]
+    k = len(lb)
+    dims += [(d, None, k + i) for i, d in enumerate(lfree)]
+    dims += [(None, d, k + len(lfree) + i) for i, d in enumerate(rfree)]
+    dims += [(l, r, None) for l, r in zip(lc, rc)]
+    g.dots.append(DotOp(lhs, rhs, site.out, tuple(dims), site.mult, source_of(site.eqn, g.call_source),
+                        bf16_pass=_bf16_pass(g, site.eqn, lhs, rhs)))
+
+
+@rule(*_RANDOM)
+def random_rule(site: Site) -> None:
+    """Keys and counters are read whole (replicated); the bits may come out in any sharding: with
+    partitionable threefry (jax's default) each device draws exactly its shard's bits."""
+    g = site.g
+    if site.prim == "threefry2x32":
+        for t in site.operands:
+            for o in site.outs:
+                if g.tensors[t].shape == g.tensors[o].shape:
+                    g.union(t, o)
         return
+    for o in site.outs:
+        for t in site.operands:
+            site.replicated(t, o)
 
-    if prim in _RANDOM:
-        # Keys and counters are read whole (replicated); the bits may come out in any sharding:
-        # with partitionable threefry (jax's default) each device draws exactly its shard's bits.
-        if prim == "threefry2x32":
-            for t in operands:
-                for o in outs:
-                    if g.tensors[t].shape == g.tensors[o].shape:
-                        g.union(t, o)
-            return
-        for o in outs:
-            for t in operands:
-                edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+
+
+@rule(*_WINDOWED)
+def window_rule(site: Site) -> None:
+    """Pooling and its gradient: dims the window slides over (or strides, pads, dilates) are whole
+    on every device; batch and feature dims keep any sharding."""
+    p = site.params
+    w = p["window_dimensions"]
+    moved = {d for d in range(len(w)) if w[d] != 1 or p["window_strides"][d] != 1
+             or tuple(p["padding"][d]) != (0, 0)
+             or (p.get("base_dilation") or (1,) * len(w))[d] != 1
+             or (p.get("window_dilation") or (1,) * len(w))[d] != 1}
+    for t in site.operands:
+        if site.rank(t) == len(w):
+            site.whole_along(t, site.out, moved)
+
+
+@rule("top_k")
+def top_k_rule(site: Site) -> None:
+    """XLA's TPU compiler splits top_k along its other dims; the CPU and GPU compilers run it as a
+    custom call on the whole operand, all-gathered first (checked on both, deviceless GPU)."""
+    rank = site.rank(site.ins[0])
+    whole = set(range(rank)) if not tiled(site.g.device) else {rank - 1}
+    for o in site.outs:
+        site.whole_along(site.ins[0], o, whole)
+
+
+
+
+@rule("optimization_barrier")
+def barrier_rule(site: Site) -> None:
+    """Identity on each operand (jax.checkpoint's CSE fence)."""
+    for t, o in zip(site.ins, site.outs):
+        if t is not None and site.rank(t):
+            site.g.union(t, o)
+
+
+@rule(*_REDUCTIONS)
+def reduction_rule(site: Site) -> None:
+    """The kept dims keep their axes; the reduced dims' axes are left partial (a reduction to pay)."""
+    axes = set(site.params["axes"])
+    kept = [d for d in range(site.rank(site.ins[0])) if d not in axes]
+
+    def produced(spec, kept=kept, axes=axes):
+        partial = tuple(a for d in axes for a in spec[d])
+        return tuple(spec[d] for d in kept), partial
+    site.edge(site.ins[0], site.out, produced=produced)
+
+
+@rule("argmax", "argmin")
+def arg_reduction_rule(site: Site) -> None:
+    axis = site.params["axes"][0]
+    site.edge(site.ins[0], site.out, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+
+
+@rule("unstack")
+def unstack_rule(site: Site) -> None:
+    """``lax.unstack``; from jax 0.12 also ``a, b = x`` (slice + squeeze before)."""
+    axis = site.params["axis"]
+    for o in site.outs:
+        site.edge(site.ins[0], o, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
+
+
+@rule("stack")
+def stack_rule(site: Site) -> None:
+    """``unstack``'s transpose (jax >= 0.12): the result gains ``axis``."""
+    axis = site.params["axis"]
+    for t in site.ins:
+        site.edge(t, site.out, required=lambda s, axis=axis: s[:axis] + s[axis + 1:])
+
+
+@rule("broadcast_in_dim")
+def broadcast_rule(site: Site) -> None:
+    """An operand dim keeps the result dim's axes where it is not broadcast (size 1 grown)."""
+    bd = site.params["broadcast_dimensions"]
+    shape_in = site.g.tensors[site.ins[0]].shape if site.ins[0] is not None else ()
+    shape_out = site.shape_out
+
+    def required(s, bd=bd, shape_in=shape_in):
+        return tuple(s[o] if shape_in[i] == shape_out[o] else () for i, o in enumerate(bd))
+    site.edge(site.ins[0], site.out, required=required)
+
+
+@rule("transpose")
+def transpose_rule(site: Site) -> None:
+    perm = site.params["permutation"]
+    inv = [perm.index(d) for d in range(len(perm))]
+    site.edge(site.ins[0], site.out, required=lambda s, inv=inv: tuple(s[inv[d]] for d in range(len(inv))))
+
+
+@rule("reshape", "squeeze", "expand_dims")
+def reshape_rule(site: Site) -> None:
+    shape_in = site.g.tensors[site.ins[0]].shape
+    site.edge(site.ins[0], site.out, required=_reshape_rule(shape_in, site.shape_out), sized=True)
+
+
+@rule("slice", "pad", "dynamic_slice")
+def slice_rule(site: Site) -> None:
+    """The dims whose size changes are whole on every device; the others keep their axes."""
+    shape_in, shape_out = site.g.tensors[site.ins[0]].shape, site.shape_out
+    site.whole_along(site.ins[0], site.out, {d for d in range(len(shape_in)) if shape_in[d] != shape_out[d]})
+
+
+@rule("rev")
+def rev_rule(site: Site) -> None:
+    site.whole_along(site.ins[0], site.out, set(site.params["dimensions"]))
+
+
+@rule("tile")
+def tile_rule(site: Site) -> None:
+    site.whole_along(site.ins[0], site.out, {d for d, r in enumerate(site.params["reps"]) if r != 1})
+
+
+@rule(*_SCANS_ALONG_AXIS)
+def scan_along_axis_rule(site: Site) -> None:
+    """``cumsum`` and its kind: the scanned dim is whole on every device."""
+    site.whole_along(site.ins[0], site.out, {site.params["axis"]})
+
+
+@rule("sort")
+def sort_rule(site: Site) -> None:
+    """Every operand and result whole along the sorted dim."""
+    for o in site.outs:
+        for t in site.ins:
+            site.whole_along(t, o, {site.params["dimension"]})
+
+
+@rule("cholesky")
+def matrix_rule(site: Site) -> None:
+    """A factorisation of each matrix in a batch (same shape, no params: not elementwise): the
+    matrix dims (the last two) whole on every device, the batch dims keep their axes."""
+    rank = site.rank(site.ins[0])
+    site.whole_along(site.ins[0], site.out, {rank - 2, rank - 1})
+
+
+@rule("concatenate")
+def concatenate_rule(site: Site) -> None:
+    for t in site.ins:
+        site.whole_along(t, site.out, {site.params["dimension"]})
+
+
+@rule("split")
+def split_rule(site: Site) -> None:
+    for o in site.outs:
+        site.whole_along(site.ins[0], o, {site.params["axis"]})
+
+
+@rule("dynamic_update_slice")
+def dynamic_update_slice_rule(site: Site) -> None:
+    """The result is the operand updated in place; the update is whole along the dims it is smaller."""
+    operand, update, out = site.ins[0], site.ins[1], site.out
+    site.g.union(operand, out)
+    shape_up, shape_out = site.g.tensors[update].shape, site.shape_out
+    site.whole_along(update, out, {d for d in range(len(shape_out)) if shape_up[d] != shape_out[d]})
+
+
+
+
+
+
+@rule("pjit", "jit")
+def shift_rule(site: Site) -> None:
+    """The pipeline's stage shift (the only call the walk keeps whole): its result keeps its
+    operand's sharding; where the rolled dimension is split, XLA moves each device's edge rows on
+    (a collective-permute, priced per spec by the strategies' enumerator). One of constants alone
+    (partial evaluation's known part) is computed where it is used and moves nothing."""
+    if not is_shift(site.eqn):
+        default_rule(site)
         return
-
-    if prim == "conv_general_dilated":
-        _conv_rule(g, eqn, ins, out, mult)
+    if not site.ins or site.ins[0] is None:
         return
+    site.g.union(site.ins[0], site.out)
+    site.g.shifts.add(site.out)
 
-    if prim in _WINDOWED:
-        # Pooling and its gradient: dims the window slides over (or strides, pads, dilates) are
-        # whole on every device; batch and feature dims keep any sharding.
-        w = p["window_dimensions"]
-        moved = {d for d in range(len(w)) if w[d] != 1 or p["window_strides"][d] != 1
-                 or tuple(p["padding"][d]) != (0, 0)
-                 or (p.get("base_dilation") or (1,) * len(w))[d] != 1
-                 or (p.get("window_dilation") or (1,) * len(w))[d] != 1}
-        for t in operands:
-            if _rank(g, t) == len(w):
-                edge(t, out, required=lambda s, moved=moved: _clear(s, moved))
+
+def default_rule(site: Site) -> None:
+    """A primitive without a rule of its own: nothing for ``iota`` or one with no array operand;
+    elementwise where every operand has the result's shape or broadcasts along its size-1 dims;
+    else its operands gathered to replicated, with one warning naming it and its source line."""
+    g, outs, shape_out, operands = site.g, site.outs, site.shape_out, site.operands
+    if site.prim == "iota" or not operands:
         return
-
-    if prim == "top_k":
-        # XLA's TPU compiler splits top_k along its other dims; the CPU and GPU compilers run it as
-        # a custom call on the whole operand, all-gathered first (checked on both, deviceless GPU).
-        rank = _rank(g, ins[0])
-        whole = set(range(rank)) if not tiled(g.device) else {rank - 1}
-        for o in outs:
-            edge(ins[0], o, required=lambda s, whole=whole: _clear(s, whole))
-        return
-
-    if prim == "sharding_constraint":
-        _constraint_rule(g, eqn, ins[0], out, edge)
-        return
-
-    if prim == "device_put":
-        _device_put_rule(g, eqn, ins, outs, edge)
-        return
-
-    if prim == "optimization_barrier":     # identity on each operand (jax.checkpoint's CSE fence)
-        for t, o in zip(ins, outs):
-            if t is not None and _rank(g, t):
-                g.union(t, o)
-        return
-
-    if prim in _REDUCTIONS:
-        axes = set(p["axes"])
-        kept = [d for d in range(_rank(g, ins[0])) if d not in axes]
-
-        def produced(spec, kept=kept, axes=axes):
-            partial = tuple(a for d in axes for a in spec[d])
-            return tuple(spec[d] for d in kept), partial
-        edge(ins[0], out, produced=produced)
-        return
-
-    if prim in ("argmax", "argmin"):
-        axis = p["axes"][0]
-        edge(ins[0], out, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
-        return
-
-    if prim == "unstack":       # lax.unstack; from jax 0.12 also `a, b = x` (slice + squeeze before)
-        axis = p["axis"]
-        for o in outs:
-            edge(ins[0], o, required=lambda s, axis=axis: s[:axis] + ((),) + s[axis:])
-        return
-
-    if prim == "stack":         # unstack's transpose (jax >= 0.12): the result gains `axis`
-        axis = p["axis"]
-        for t in ins:
-            edge(t, out, required=lambda s, axis=axis: s[:axis] + s[axis + 1:])
-        return
-
-    if prim == "broadcast_in_dim":
-        bd = p["broadcast_dimensions"]
-        shape_in = g.tensors[ins[0]].shape if ins[0] is not None else ()
-
-        def required(s, bd=bd, shape_in=shape_in):
-            return tuple(s[o] if shape_in[i] == shape_out[o] else () for i, o in enumerate(bd))
-        edge(ins[0], out, required=required)
-        return
-
-    if prim == "transpose":
-        perm = p["permutation"]
-        inv = [perm.index(d) for d in range(len(perm))]
-        edge(ins[0], out, required=lambda s, inv=inv: tuple(s[inv[d]] for d in range(len(inv))))
-        return
-
-    if prim in ("reshape", "squeeze", "expand_dims"):
-        shape_in = g.tensors[ins[0]].shape
-        edge(ins[0], out, required=_reshape_rule(shape_in, shape_out), sized=True)
-        return
-
-    if prim in ("slice", "pad", "dynamic_slice", "rev", "tile") or prim in _SCANS_ALONG_AXIS or prim == "sort":
-        src = ins[0]
-        shape_in = g.tensors[src].shape
-        if prim == "rev":
-            changed = set(p["dimensions"])
-        elif prim == "tile":
-            changed = {d for d, r in enumerate(p["reps"]) if r != 1}
-        elif prim in _SCANS_ALONG_AXIS:
-            changed = {p["axis"]}
-        elif prim == "sort":
-            changed = {p["dimension"]}
-        else:
-            changed = {d for d in range(len(shape_in)) if shape_in[d] != shape_out[d]}
-        for o in outs if prim == "sort" else [out]:
-            for t in (ins if prim == "sort" else [src]):
-                edge(t, o, required=lambda s, changed=changed: _clear(s, changed))
-        return
-
-    if prim in ("concatenate", "split"):
-        dim = p["dimension"] if prim == "concatenate" else p["axis"]
-        pairs = [(t, out) for t in ins] if prim == "concatenate" else [(ins[0], o) for o in outs]
-        for src, dst in pairs:
-            edge(src, dst, required=lambda s, dim=dim: _clear(s, {dim}))
-        return
-
-    if prim == "dynamic_update_slice":
-        operand, update = ins[0], ins[1]
-        g.union(operand, out)
-        shape_up = g.tensors[update].shape
-        changed = {d for d in range(len(shape_out)) if shape_up[d] != shape_out[d]}
-        edge(update, out, required=lambda s, changed=changed: _clear(s, changed))
-        return
-
-    if prim == "gather":
-        _gather_rule(g, eqn, ins, out, edge)
-        return
-
-    if prim in ("scatter-add", "scatter_add"):
-        _scatter_add_rule(g, eqn, ins, out, edge)
-        return
-
-    if prim == "scatter":
-        _scatter_rule(g, eqn, ins, out, edge)
-        return
-
-    if prim == MANUAL_PRIMITIVE and _manual_rule(g, eqn, ins, outs, mult, edge):
-        return
-
-    if is_shift(eqn):
-        # The pipeline's stage shift: its result keeps its operand's sharding; where the rolled
-        # dimension is split, XLA moves each device's edge rows on (a collective-permute,
-        # priced per spec by the strategies' enumerator). One of constants alone (partial
-        # evaluation's known part) is computed where it is used and moves nothing.
-        if not ins or ins[0] is None:
-            return
-        g.union(ins[0], out)
-        g.shifts.add(out)
-        return
-
-    if prim == "iota" or not operands:
-        return
-
-    # Elementwise, where an operand may also broadcast along its size-1 dims.
-    if len(outs) == 1 and set(p) <= _ELEMENTWISE_PARAMS and all(
+    if len(outs) == 1 and set(site.params) <= _ELEMENTWISE_PARAMS and all(
             len(g.tensors[t].shape) == len(shape_out)
             and all(a in (b, 1) for a, b in zip(g.tensors[t].shape, shape_out)) for t in operands):
         for t in operands:
             shape_in = g.tensors[t].shape
             if shape_in == shape_out:
-                g.union(t, out)
+                g.union(t, site.out)
             else:
-                ones = {d for d, n in enumerate(shape_in) if n != shape_out[d]}
-                edge(t, out, required=lambda s, ones=ones: _clear(s, ones))
+                site.whole_along(t, site.out, {d for d, n in enumerate(shape_in) if n != shape_out[d]})
         return
-
-    g.warn_once(prim, f"shardplan: no sharding rule for primitive {prim!r} at {source_of(eqn, g.call_source)}; "
-                      "its operands are gathered to replicated (correct, maybe slow)")
+    where = source_of(site.eqn, g.call_source)
+    g.warn_once(site.prim, f"shardplan: no sharding rule for primitive {site.prim!r} at {where}; "
+                           "its operands are gathered to replicated (correct, maybe slow)")
     for o in outs:
         for t in operands:
-            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+            site.replicated(t, o)
 
 
-def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
+@rule(MANUAL_PRIMITIVE)
+def manual_rule(site: Site) -> None:
     """``shard_map``: each operand resharded to its ``in_specs`` entry, each result held at its
     ``out_specs`` entry; the body's own costs are read at planning (:mod:`shardplan.tracing.manual`).
     Where the region leaves some of its mesh axes automatic, its operands are gathered to
     replicated (a warning says why)."""
+    g, eqn, ins, outs, mult, edge = site.g, site.eqn, site.ins, site.outs, site.mult, site.edge
     region = eqn.params["mesh"]
     sizes = dict(zip(region.axis_names, region.axis_sizes))
     specs = region_specs(eqn, sizes)
@@ -281,7 +378,7 @@ def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
             for t in ins:
                 if t is not None and _rank(g, t):
                     edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
-        return True
+        return
     in_specs, out_specs = specs
     source = source_of(eqn, g.call_source)
     ranked = [o for o in outs if o is not None and _rank(g, o)]
@@ -295,15 +392,16 @@ def _manual_rule(g: Graph, eqn, ins, outs, mult, edge) -> bool:
     g.manual.append(ManualRegion(tuple(sizes.items()), eqn.params["jaxpr"], mult,
                                  ranked[0] if ranked else None, source, tuple(ins), tuple(outs),
                                  body_peak(eqn.params["jaxpr"])))
-    return True
 
 
-def _device_put_rule(g: Graph, eqn, ins, outs, edge) -> None:
+@rule("device_put")
+def device_put_rule(site: Site) -> None:
     """``jax.device_put`` inside the step, one operand at a time. To a memory space (a
     ``jax.checkpoint`` policy offloading a residual to the host and fetching it back) or nowhere
     in particular: the result keeps the operand's sharding, and a move between device and host
     memory is a transfer (:attr:`~shardplan.ir.graph.Graph.transfers`). To a ``NamedSharding``: a
     sharding constraint. To one device: gathered there (replicated)."""
+    g, eqn, ins, outs, edge = site.g, site.eqn, site.ins, site.outs, site.edge
     for k, (t, o) in enumerate(zip(ins, outs)):
         dst = eqn.params["devices"][k]
         if t is None or o is None or not _rank(g, t):
@@ -334,10 +432,12 @@ def _device_put_rule(g: Graph, eqn, ins, outs, edge) -> None:
             edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
 
 
-def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:
+@rule("sharding_constraint")
+def constraint_rule(site: Site) -> None:
     """``with_sharding_constraint``: the result is sharded as the constraint says on every
     dimension it names (``None``: unsharded), free on its ``UNCONSTRAINED`` ones; the operand is
     resharded to it (priced, as XLA does)."""
+    g, eqn, src, out, edge = site.g, site.eqn, site.ins[0], site.out, site.edge
     edge(src, out, required=lambda s: s)
     spec = getattr(eqn.params["sharding"], "spec", None)
     if spec is None:
@@ -353,10 +453,12 @@ def _constraint_rule(g: Graph, eqn, src, out, edge) -> None:
                   source_of(eqn, g.call_source))
 
 
-def _conv_rule(g: Graph, eqn, ins, out, mult) -> None:
+@rule("conv_general_dilated")
+def conv_rule(site: Site) -> None:
     """A convolution as a dot: batch (lhs, out), output features (rhs, out), input features
     contracted; output positions and the kernel window never sharded (XLA would need halo
     exchanges), nor grouped features (depthwise convolutions: only the batch splits)."""
+    g, eqn, ins, out, mult = site.g, site.eqn, site.ins, site.out, site.mult
     p = eqn.params
     dn = p["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
@@ -432,7 +534,9 @@ def _reshape_rule(shape_in, shape_out):
     return required
 
 
-def _gather_rule(g, eqn, ins, out, edge):
+@rule("gather")
+def gather_rule(site: Site) -> None:
+    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
     dn = eqn.params["dimension_numbers"]
     slice_sizes = eqn.params["slice_sizes"]
     operand, indices = ins[0], ins[1]
@@ -529,11 +633,13 @@ class _ScatterDims:
         return d in self.up_of_op and self.op_shape[d] == self.up_shape[self.up_of_op[d]]
 
 
-def _scatter_rule(g, eqn, ins, out, edge):
+@rule("scatter")
+def scatter_rule(site: Site) -> None:
     """A scatter that overwrites (``x.at[i].set(u)``): each device writes its own shard of the
     result, from the updates split as the result is on the window dims the scatter keeps whole
     (and on the batching dims of a vmapped scatter, with the indices), whole on the others: a
     write cannot be split into partial results to sum, as a scatter-add's can."""
+    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
     operand, indices, updates = ins[0], ins[1], ins[2]
     g.union(operand, out)
     m = _ScatterDims.of(g, eqn, operand, indices, updates)
@@ -550,7 +656,9 @@ def _scatter_rule(g, eqn, ins, out, edge):
             next((dst[od] for od, idd in m.idx_of_op.items() if idd == d), ()) for d in range(m.idx_rank)))
 
 
-def _scatter_add_rule(g, eqn, ins, out, edge):
+@rule("scatter-add", "scatter_add")
+def scatter_add_rule(site: Site) -> None:
+    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
     operand, indices, updates = ins[0], ins[1], ins[2]
     g.union(operand, out)
     m = _ScatterDims.of(g, eqn, operand, indices, updates)
