@@ -3,7 +3,7 @@
 At DEFAULT precision a TPU multiplies float32 operands in one bfloat16 pass
 (:attr:`shardplan.ir.graph.DotOp.bf16_pass`), and libtpu rounds them before it moves them: the
 convert goes ahead of the collective, through reshapes and a layer scan's stacking. The planner
-prices such reshards at 2 bytes an element on TPU meshes (:class:`shardplan.sharding.strategies.Enumerator`).
+prices such reshards at 2 bytes an element on TPU meshes (:class:`shardplan.compiler.pricing.Pricer`).
 """
 
 from __future__ import annotations

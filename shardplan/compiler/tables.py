@@ -38,17 +38,17 @@ def _cheaper_in_place(moved: np.ndarray, made: list[list], price: Callable) -> N
                     moved[i, j] = min(moved[i, j], after[k, j])
 
 
-def edge_table(enum, e, spec_of: dict) -> np.ndarray:
+def edge_table(pricer, e, spec_of: dict) -> np.ndarray:
     """Seconds per step of edge ``e`` for each pair of its two tensors' specs (``spec_of``:
     per tensor, its node's options' specs)."""
-    g, m = enum.g, enum.m
+    g, m = pricer.g, pricer.m
     if e.required is not None and e.passthrough is None and e.rewrite is None:
         # The operand is resharded to what the op requires: the price depends only on
         # the operand's shape and the two specs, shared by every edge that moves alike.
         src = g.tensors[e.src]
         haves, h_index = _distinct(spec_of[e.src])
         needs, n_index = _distinct([e.need(d, m.sizes) for d in spec_of[e.dst]])
-        cells = m.reshard_table(src.shape, enum.src_itemsize(e), haves, needs)
+        cells = m.reshard_table(src.shape, pricer.src_itemsize(e), haves, needs)
         table = e.mult * cells[np.ix_(h_index, n_index)]
     elif e.required is not None:
         # The operand moves, or the op runs on it in place and its result moves:
@@ -57,15 +57,15 @@ def edge_table(enum, e, spec_of: dict) -> np.ndarray:
         haves, h_index = _distinct(spec_of[e.src])
         dsts, d_index = _distinct(spec_of[e.dst])
         needs, n_index = _distinct([e.need(d, m.sizes) for d in dsts])
-        moved = m.reshard_table(src.shape, enum.src_itemsize(e), haves, needs)[:, n_index]
+        moved = m.reshard_table(src.shape, pricer.src_itemsize(e), haves, needs)[:, n_index]
         made = [[e.passthrough(have, d) for d in dsts] for have in haves]
         _cheaper_in_place(moved, made, lambda outs: m.reshard_table(
-            out.shape, enum.dst_itemsize(e), outs, dsts))
+            out.shape, pricer.dst_itemsize(e), outs, dsts))
         if e.rewrite is not None:
             rewritten = [[(r[1], r[2], None) if (r := e.rewrite(have, d)) else None for d in dsts]
                          for have in haves]
             _cheaper_in_place(moved, rewritten, lambda rows: m.reduce_table(
-                out.shape, enum.dst_itemsize(e), rows, dsts))
+                out.shape, pricer.dst_itemsize(e), rows, dsts))
         table = e.mult * moved[np.ix_(h_index, d_index)]
     elif not e.primitive.startswith("scatter"):
         # A result made as ``produced`` (partial over some axes) and reduced to the spec
@@ -74,30 +74,30 @@ def edge_table(enum, e, spec_of: dict) -> np.ndarray:
         dsts, d_index = _distinct(spec_of[e.dst])
         made, m_index = _distinct([(p, tuple(part), REDUCE_OP) for p, part in map(e.produced, haves)])
         dst = g.tensors[e.dst]
-        cells = m.reduce_table(dst.shape, enum.dst_itemsize(e), made, dsts,
-                               enum.combined.get(e.dst, 1))[m_index]
+        cells = m.reduce_table(dst.shape, pricer.dst_itemsize(e), made, dsts,
+                               pricer.a.combined.get(e.dst, 1))[m_index]
         table = e.mult * cells[np.ix_(h_index, d_index)]
     else:       # a scatter's partial sums (rare): priced cell by cell
         haves, h_index = _distinct(spec_of[e.src])
         dsts, d_index = _distinct(spec_of[e.dst])
-        cells = np.array([[enum.edge_seconds(e, have, d) for d in dsts] for have in haves])
+        cells = np.array([[pricer.edge_seconds(e, have, d) for d in dsts] for have in haves])
         table = cells.reshape(len(haves), len(dsts))[np.ix_(h_index, d_index)]
     return table
 
 
-def dot_table(enum, dot, role: str, tid: int, spec_of: dict, derived, groups) -> np.ndarray:
+def dot_table(pricer, dot, role: str, tid: int, spec_of: dict, derived, groups) -> np.ndarray:
     """Seconds per step between a dot's options and the specs of its operand or result ``tid``
     (``role``: lhs, rhs or out; ``derived``, ``groups``: each option's specs and partial-sum groups)."""
-    g, m = enum.g, enum.m
+    g, m = pricer.g, pricer.m
     # The price depends on the dot option only through what it needs of this tensor
     # (or, for the result, what it makes): priced once per distinct pair.
     wants, w_index = _distinct([(d[0],) if role == "lhs" else (d[1],) if role == "rhs"
                                 else (d[2], d[3], groups[i]) for i, d in enumerate(derived)])
     haves, h_index = _distinct(spec_of[tid])
     t = g.tensors[tid]
-    shape, itemsize = t.shape, enum.wire(t) if role == "out" else enum.moved_itemsize(dot, t)
+    shape, itemsize = t.shape, pricer.wire(t) if role == "out" else pricer.moved_itemsize(dot, t)
     if role == "out":
-        cells = m.reduce_table(shape, itemsize, wants, haves, enum.combined.get(tid, 1))
+        cells = m.reduce_table(shape, itemsize, wants, haves, pricer.a.combined.get(tid, 1))
         for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
             if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
                 for j, have in enumerate(haves):
@@ -107,11 +107,11 @@ def dot_table(enum, dot, role: str, tid: int, spec_of: dict, derived, groups) ->
         cells = m.reshard_table(shape, itemsize, haves, [w[0] for w in wants]).T
         stacked = g.stacked_input(tid) if m.gpu is not None else None
         if stacked is not None:
-            cells = cells + _relayout_seconds(enum, stacked, shape, haves, [w[0] for w in wants]) / dot.mult
+            cells = cells + _relayout_seconds(pricer, stacked, shape, haves, [w[0] for w in wants]) / dot.mult
     return dot.mult * cells[np.ix_(w_index, h_index)]
 
 
-def _relayout_seconds(enum, stacked: int, shape, haves: list, wants: list) -> np.ndarray:
+def _relayout_seconds(pricer, stacked: int, shape, haves: list, wants: list) -> np.ndarray:
     """``[wants, haves]`` seconds a GPU spends laying a stacked loop input out again once a step,
     where the loop gathers its slice along a dimension that is not the slice's major one: XLA's
     GPU all-gather needs the gathered dimension major, and its layout assignment gives that
@@ -119,8 +119,8 @@ def _relayout_seconds(enum, stacked: int, shape, haves: list, wants: list) -> np
     bf16[7168,32,4096] copies of two FFN weights, 1.75 GiB each, through the step; RESULTS.md,
     session 30). Its memory is not modelled; this price (the copy's HBM read and write) makes
     the planner prefer the spec that gathers along the major dimension where both cost the same."""
-    m = enum.m
-    t = enum.g.tensors[stacked]
+    m = pricer.m
+    t = pricer.g.tensors[stacked]
     major = next((d for d, n in enumerate(shape) if n > 1), 0)
     out = np.zeros((len(wants), len(haves)))
     for j, have in enumerate(haves):

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 
 from shardplan.compiler.cost import COLLECTIVE_KINDS, Spec, shared_model
+from shardplan.compiler.pricing import Analyses, dot_specs
 from shardplan.compiler.targets import compiler_kind
 from shardplan.devices.mesh import MeshSpec
 from shardplan.errors import InfeasibleBudgetError, ShardplanError
@@ -94,7 +95,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
     state_in = {i for i, _ in state_pairs}
     fed = frozenset(t for k, t in enumerate(graph.inputs)
                     if k not in state_in and not (k < len(donated) and donated[k]) and input_args[k] not in (0, "0"))
-    enum = Enumerator(graph, model, donated_outputs, fixed, fed)
+    # What the compiler makes of the graph (HBM traffic, combined reductions, TPU tiles), once.
+    enum = Enumerator(graph, model, donated_outputs, fixed, fed, analyses=Analyses.of(graph, model.tiled))
     start = time.perf_counter()
 
     made: dict[tuple, Plan] = {}        # the plan ``unwanted`` made, by its choice: returned as it is
@@ -399,7 +401,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         (``itemsize``: the bytes an element moves as, where not its own: a dot's bfloat16 pass;
         ``region``: the differentiated checkpoint the reading op is in, :attr:`Graph.region_of`)."""
         t = graph.tensors[tid]
-        itemsize = itemsize or enum.wire(t)
+        itemsize = itemsize or enum.price.wire(t)
         key = (tid, need, loop, itemsize, region)
         if need is None or key not in resharded:
             resharded.add(key)
@@ -410,7 +412,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     # reshards it after: apply.py pins both there, so XLA moves what the plan priced.
     operand_pins, result_pins, rewrites = {}, {}, {}
     indices_of = {e.dst: e for e in graph.edges if e.primitive.startswith("scatter") and e.required is not None}
-    reshards = {id(e): enum.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
+    reshards = {id(e): enum.price.operand_reshard(e, spec_of[e.src], spec_of[e.dst])
                 for e in graph.edges if e.required is not None}
     # An op that makes its result in place (a gather on the table's split) takes its other
     # operands (the indices) as that result needs them, not as the planned result would.
@@ -422,7 +424,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             where = made_by_op.get(e.dst)
             if where is not None and where[0] != e.src:
                 need = e.need(where[1], model.sizes)
-                comms = enum.scaled(model.reshard_items(graph.tensors[e.src].shape, enum.src_itemsize(e),
+                comms = enum.price.scaled(model.reshard_items(graph.tensors[e.src].shape, enum.price.src_itemsize(e),
                                                         spec_of[e.src], need), e.mult)
                 pin = need if comms else None
             if pin is not None:
@@ -435,7 +437,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                                                        "partial": tuple(partial)}
             account(comms, e.mult, e.dst, repeats(e.src, pin, graph.loop_of[e.dst], region=graph.region_of[e.dst]))
         else:
-            need = enum.scattered_updates(e, spec_of[e.src], spec_of[e.dst])
+            need = enum.price.scattered_updates(e, spec_of[e.src], spec_of[e.dst])
             if need is not None and need != spec_of[e.src]:
                 # Pinned, so that XLA moves the updates in the steps priced (one at a time), and
                 # the indices to match them (small; else XLA reshards the updates to suit them).
@@ -443,15 +445,15 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 ie = indices_of.get(e.src)
                 if ie is not None and ie.required(need) != spec_of[ie.src]:
                     operand_pins[(graph.tensors[ie.src].path, graph.tensors[e.dst].path)] = ie.required(need)
-            account(enum.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
+            account(enum.price.edge_comms(e, spec_of[e.src], spec_of[e.dst]), e.mult, e.dst)
     for t in graph.shifts:
-        account(enum.shift_comms(t, spec_of[t]), graph.tensors[t].mult, t)
+        account(enum.price.shift_comms(t, spec_of[t]), graph.tensors[t].mult, t)
     # A reduction to a scalar (a loss's mean over a split batch): one all-reduce of a scalar,
     # latency alone. It counts in the plan's collectives; the ILP leaves it out (it would be a
     # cost of the summed tensor's options, as small as one collective's latency).
     unsearched = 0.0
     for e in graph.to_scalar:
-        priced = enum.edge_comms(e, spec_of[e.src], ())
+        priced = enum.price.edge_comms(e, spec_of[e.src], ())
         unsearched += sum(s for _, s in priced)
         account(priced, e.mult, e.dst)
     compute = 0.0
@@ -459,13 +461,13 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     for k, dot in enumerate(graph.dots):
         node = problem.nodes[problem.node_of_dot[k]]
         option = node.options[choice[problem.node_of_dot[k]]]
-        req_l, req_r, prod, partial, _ = enum.dot_specs(dot, option)
+        req_l, req_r, prod, partial, _ = dot_specs(dot, option)
         repeated = [c for tid, need in ((dot.lhs, req_l), (dot.rhs, req_r))
                     for c in repeats(tid, need if need != spec_of[tid] else None, graph.loop_of[dot.out],
-                                     enum.moved_itemsize(dot, graph.tensors[tid]), graph.region_of[dot.out])]
-        account(enum.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult, dot.out,
-                repeated)
-        t = enum.dot_compute(dot, option) * dot.mult
+                                     enum.price.moved_itemsize(dot, graph.tensors[tid]), graph.region_of[dot.out])]
+        account(enum.price.dot_comms(dot, option, spec_of[dot.lhs], spec_of[dot.rhs], spec_of[dot.out]), dot.mult,
+                dot.out, repeated)
+        t = enum.price.dot_compute(dot, option) * dot.mult
         compute += t
         cost_of[dot.out] += t
         # The result spec the strategy computes, reduced as priced (before any resharding to the
@@ -486,21 +488,21 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
         _reassociated(graph, all_reduced, account)
     searched = compute          # the ILP's pricing: HBM traffic counted its way
     for t in graph.tensors:
-        if t.rank and (t.id in enum.traffic or t.id in enum.priced_traffic):
-            per_device = enum.stored_bytes(t.id, spec_of[t.id])      # as the ILP priced it
-            searched += enum.hbm_seconds(t.id, per_device)
-            s = enum.hbm_seconds(t.id, per_device, priced=True)     # as XLA fuses it: the prediction
+        if t.rank and (t.id in enum.price.a.traffic or t.id in enum.price.a.priced_traffic):
+            per_device = enum.price.stored_bytes(t.id, spec_of[t.id])      # as the ILP priced it
+            searched += enum.price.hbm_seconds(t.id, per_device)
+            s = enum.price.hbm_seconds(t.id, per_device, priced=True)     # as XLA fuses it: the prediction
             compute += s
             cost_of[t.id] += s
 
     def row(tid, role, name=None):
         t = graph.tensors[tid]
         return TensorPlan(t.path, name or t.name, role, t.shape, t.dtype.name, spec_of[tid],
-                          enum.stored_bytes(tid, spec_of[tid]), cost_of[tid], t.source)
+                          enum.price.stored_bytes(tid, spec_of[tid]), cost_of[tid], t.source)
 
     offload_s = offload_bytes = 0.0
     for t in graph.transfers:
-        s = enum.offload_seconds(t, spec_of[t])
+        s = enum.price.offload_seconds(t, spec_of[t])
         offload_s += s
         cost_of[t] += s
     if graph.host_apart:        # the host's share: offloaded residuals at their fullest, and host arguments
@@ -511,7 +513,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
             host_bytes(t for t in graph.inputs if graph.tensors[t].host)
     loading = 0.0
     for t in enum.fed:
-        s = enum.input_seconds(t, spec_of[t])
+        s = enum.price.input_seconds(t, spec_of[t])
         loading += s
         cost_of[t] += s
     inputs = tuple(row(t, role_of(graph.tensors[t].name, t in enum.fed)) for t in graph.inputs)
@@ -529,7 +531,7 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                          comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes,
-                         tuple_slots=enum.tuple_slots)
+                         tuple_slots=enum.price.a.tuple_slots)
     cost = dataclasses.replace(cost, searched_s=dataclasses.replace(cost, compute_s=searched).step_s + dropped
                                - unsearched)
     return Plan(mesh_name=mesh.name, axis_names=mesh.axis_names, axis_sizes=mesh.axis_sizes, inputs=inputs,

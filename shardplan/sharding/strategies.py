@@ -1,28 +1,25 @@
-"""Candidate shardings for every group and ``dot_general``, and what each costs.
+"""Candidate shardings for every group and ``dot_general``, priced into the ILP's problem.
 
 A group's option maps each mesh axis to at most one of its dimension classes; a dot's option
 maps each mesh axis to at most one of its dimensions (batch, free or contracting). The
 :class:`Problem` holds, per node, the options with their linear cost and memory, and per pair
-of nodes a cost table: the input of the ILP in :mod:`shardplan.solve.solver`.
+of nodes a cost table: the input of the ILP in :mod:`shardplan.solve.solver`. What each option
+and pair of options costs is :mod:`shardplan.compiler.pricing`'s.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 import re
 from collections.abc import Callable
 
 import numpy as np
 
 from shardplan.compiler import layout, splitk
-from shardplan.compiler.bf16_pass import LAYOUT, read_as_bf16
-from shardplan.compiler.combine import combined_reductions
-from shardplan.compiler.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
-from shardplan.compiler.layout import minor_dims
+from shardplan.compiler.cost import CostModel, Spec
+from shardplan.compiler.pricing import Analyses, Pricer, dot_specs, partial_groups
 from shardplan.compiler.tables import dot_table, edge_table
-from shardplan.compiler.traffic import hbm_traffic
 from shardplan.ir.graph import Graph
 from shardplan.ir.problem import EdgeTables, Node, Problem
 
@@ -38,7 +35,8 @@ class Enumerator:
     """Turns a :class:`Graph` and a :class:`CostModel` into a :class:`Problem`."""
 
     def __init__(self, graph: Graph, model: CostModel, donated_outputs: frozenset[int] = frozenset(),
-                 fixed: dict[int, Spec] | None = None, fed: frozenset[int] = frozenset()):
+                 fixed: dict[int, Spec] | None = None, fed: frozenset[int] = frozenset(),
+                 analyses: Analyses | None = None):
         self.fixed = fixed or {}     # tensor -> spec it must have (inputs of a hand-written plan)
         self.fed = fed               # inputs loaded from the hosts every step (the batch)
         self.g = graph
@@ -48,19 +46,7 @@ class Enumerator:
         self.groups = graph.groups()
         self.pinned = graph.pinned_classes()
         self.donated_outputs = donated_outputs
-        self.traffic = hbm_traffic(graph)                   # the ILP's
-        self.priced_traffic = hbm_traffic(graph, fused=True)  # a plan's predicted step
-        self._bytes_memo: dict[tuple, float] = {}
-        self.combined = combined_reductions(graph)
-        self.narrow = read_as_bf16(graph) if model.tiled else frozenset()
-        self.minor = minor_dims(graph) if model.tiled else {}     # TPU tiles fixed by batched matmuls
-        # the TPU compiler's heap slot per tuple result, apart from the arrays (none elsewhere)
-        self.tuple_slots = graph.tuple_results if model.tiled else 0
-        self._inputs = frozenset(graph.inputs)
-        self._returned = frozenset(t for t in graph.outputs if t is not None)
-        # XLA's CPU compiler computes bfloat16 in float32: the values it makes are held widened
-        # (the arguments and results keep the caller's bfloat16).
-        self.widened = graph.compiler == "cpu"
+        self.price = Pricer(graph, model, analyses)      # the analyses computed once, if not handed in
         self._node_options: list[list] | None = None
         self.required = self._required_classes()
         self._full: tuple[Problem, dict[int, list[Spec]]] | None = None
@@ -128,7 +114,7 @@ class Enumerator:
 
     def dot_options(self, dot_index: int) -> list[tuple[tuple[str, ...], ...]]:
         dot = self.g.dots[dot_index]
-        dim_size = self.dot_sizes(dot)
+        dim_size = self.price.dot_sizes(dot)
         per_axis = [[i for i, n in enumerate(dim_size) if n % size == 0 and n >= size and i not in dot.fixed]
                     if size > 1 else [] for size in self.sizes]
         options = []
@@ -141,270 +127,11 @@ class Enumerator:
                 options.append(tuple(option))
         return options
 
-    def dot_sizes(self, dot) -> tuple[int, ...]:
-        """The iteration extent of each of a dot's dims."""
-        if dot.sizes is not None:
-            return dot.sizes
-        lhs, rhs = self.g.tensors[dot.lhs], self.g.tensors[dot.rhs]
-        return tuple(lhs.shape[l] if l is not None else rhs.shape[r] for l, r, _ in dot.dims)
-
     @staticmethod
     def tensor_spec_from(graph: Graph, tid: int, option: dict[int, tuple[str, ...]]) -> Spec:
         t = graph.tensors[tid]
         return tuple(option.get(graph.dim_class(tid, d), ()) for d in range(t.rank))
 
-    @staticmethod
-    def dot_specs(dot, option) -> tuple[Spec, Spec, Spec, tuple[str, ...], tuple[int, int, int]]:
-        """Required lhs and rhs specs, produced out spec and its partial-sum axes for one dot option."""
-        ranks = [0, 0, 0]
-        for l, r, o in dot.dims:
-            for k, d in enumerate((l, r, o)):
-                if d is not None:
-                    ranks[k] = max(ranks[k], d + 1)
-        specs = [[()] * n for n in ranks]
-        partial: tuple[str, ...] = ()
-        for (l, r, o), axes in zip(dot.dims, option):
-            for k, d in enumerate((l, r, o)):
-                if d is not None:
-                    specs[k][d] = axes
-            if o is None:
-                partial += axes
-        return tuple(specs[0]), tuple(specs[1]), tuple(specs[2]), partial, tuple(ranks)
-
-    @staticmethod
-    def partial_groups(dot, option) -> tuple[tuple[str, ...], ...]:
-        """The partial-sum axes of one dot option, per contracting dimension."""
-        return tuple(axes for (l, r, o), axes in zip(dot.dims, option) if o is None and axes)
-
-    # -- costs -----------------------------------------------------------------------------------
-    # Per-instance memo tables (a method-level lru_cache would pin every Enumerator for good).
-    def _bytes(self, tid: int, spec: Spec) -> float:
-        key = (tid, spec)
-        if key not in self._bytes_memo:
-            t = self.g.tensors[tid]
-            self._bytes_memo[key] = self.m.memory_bytes(t.shape, t.dtype.itemsize, spec)
-        return self._bytes_memo[key]
-
-    def operand_reshard(self, edge, src_spec: Spec, dst_spec: Spec) \
-            -> tuple[list[tuple[Comm, float]], Spec | None, Spec | None, tuple | None]:
-        """For an edge with ``required``: its collectives, the spec its operand is resharded to
-        before the op, the spec the op makes its result in before that is resharded (each
-        ``None`` where nothing moves), and the rewrite chosen for the op (``(kind, made, partial)``,
-        :mod:`shardplan.tracing.rewrites`; ``None``: the op as traced). The operand moves unless the op
-        can run on it in place (``passthrough``, or a ``rewrite`` whose partial result is then
-        reduced) and that is cheaper; the table takes the cheapest the same way."""
-        t = self.g.tensors[edge.src]
-        need = edge.need(dst_spec, self.m.sizes)
-        comms = self.scaled(self.m.reshard_items(t.shape, self.src_itemsize(edge), src_spec, need), edge.mult)
-        best = (comms, (need if comms else None), None, None)
-        if not comms:
-            return best
-        out = self.g.tensors[edge.dst]
-        made = edge.passthrough(src_spec, dst_spec) if edge.passthrough is not None else None
-        if made is not None:
-            other = self.scaled(self.m.reshard_items(out.shape, self.dst_itemsize(edge), made, dst_spec), edge.mult)
-            if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
-                best = (other, None, made, None)
-        rewrite = edge.rewrite(src_spec, dst_spec) if edge.rewrite is not None else None
-        if rewrite is not None:
-            _, made, partial = rewrite
-            other = self.scaled(self.m.reduce_items(out.shape, self.dst_itemsize(edge), made, partial, dst_spec),
-                                edge.mult)
-            if sum(sec for _, sec in other) < sum(sec for _, sec in best[0]):
-                best = (other, None, None, rewrite)
-        return best
-
-    def scattered_updates(self, edge, src_spec: Spec, dst_spec: Spec) -> Spec | None:
-        """For a scatter's updates-to-result edge: the spec the updates are resharded to where XLA
-        scatters by operand passthrough (each device into its own shard of the result); ``None``
-        where it scatters the updates as they are (index passthrough, partial sums reduced).
-        XLA picks by a size estimate (gather_scatter_handler.cc, ScatterPartitionMethodCostModel):
-        operand passthrough holds the result's shard and the resharded updates; index passthrough
-        holds the whole result and the updates as they are. The indices (small) are left out."""
-        if not edge.primitive.startswith("scatter") or edge.passthrough is None:
-            return None
-        need = edge.passthrough(src_spec, dst_spec)
-        if need is None:
-            return None
-        m, t, src = self.m, self.g.tensors[edge.dst], self.g.tensors[edge.src]
-        held = m.per_device_bytes(t.shape, t.dtype.itemsize, edge.produced(need)[0]) + \
-            m.per_device_bytes(src.shape, src.dtype.itemsize, need)
-        whole = t.dtype.itemsize * math.prod(t.shape) + m.per_device_bytes(src.shape, src.dtype.itemsize, src_spec)
-        return need if held <= whole or not edge.produced(src_spec)[1] else None
-
-    def edge_comms(self, edge, src_spec: Spec, dst_spec: Spec) -> list[tuple[Comm, float]]:
-        """The collectives of one op edge, each with its seconds per step."""
-        if edge.required is not None:
-            return self.operand_reshard(edge, src_spec, dst_spec)[0]
-        produced, partial = edge.produced(src_spec)
-        t = self.g.tensors[edge.dst]
-        m, share = self.m, self.combined.get(edge.dst, 1)
-        need = self.scattered_updates(edge, src_spec, dst_spec)
-        if need is not None:
-            # The updates move (an all-to-all, a gather, or a local slice), each device scatters
-            # into its shard of the window dims; axes the updates still split elsewhere leave
-            # partial sums of that shard, all-reduced, then sliced where the result is split on
-            # other dims too.
-            src = self.g.tensors[edge.src]
-            made, left = edge.produced(need)
-            items = m.reshard_items(src.shape, self.wire(src), src_spec, need) + \
-                m.reduce_items(t.shape, self.wire(t), made, left, made, share=share) + \
-                m.reshard_items(t.shape, self.wire(t), made, dst_spec)
-            return self.scaled(items, edge.mult)
-        if edge.primitive.startswith("scatter") and partial:
-            # XLA's partitioner all-reduces a scatter's partial sums whole, then slices; it does
-            # not turn them into a reduce-scatter. Dimensions the target shards and the updates
-            # do not are sliced locally first (free), so the all-reduce moves only that slice.
-            used = {a for axes in produced for a in axes} | set(partial)
-            sliced = []
-            for have, want in zip(produced, dst_spec):
-                extra = () if have else tuple(a for a in want if a not in used)
-                used.update(extra)
-                sliced.append(have or extra)
-            sliced = tuple(sliced)
-            items = m.reduce_items(t.shape, self.wire(t), sliced, partial, sliced, share=share) + \
-                m.reshard_items(t.shape, self.wire(t), sliced, dst_spec)
-        else:
-            items = m.reduce_items(t.shape, self.dst_itemsize(edge), produced, partial, dst_spec, REDUCE_OP, share)
-        return self.scaled(items, edge.mult)
-
-    def edge_seconds(self, edge, src_spec: Spec, dst_spec: Spec) -> float:
-        """Seconds per step of :meth:`edge_comms`."""
-        return sum(sec for _, sec in self.edge_comms(edge, src_spec, dst_spec))
-
-    def wire(self, t) -> int:
-        """Bytes an element of tensor ``t`` moves as in a collective: its own, but 4 for
-        bfloat16 on XLA's CPU compiler, which runs every bfloat16 collective in float32 (a convert
-        ahead of it and one after: all-gathers of parameters as much as all-reduces of gradients;
-        tests/compiler/test_hlo.py)."""
-        return 4 if self.widened and t.dtype.name == "bfloat16" else t.dtype.itemsize
-
-    def src_itemsize(self, edge) -> int:
-        """Bytes an element of an edge's operand moves as where it is resharded for the op: 2
-        where a layout op hands it on only to bfloat16-pass dots on a TPU (:func:`read_as_bf16`),
-        else :meth:`wire`."""
-        t = self.g.tensors[edge.src]
-        return 2 if edge.dst in self.narrow and edge.primitive in LAYOUT and t.dtype.itemsize == 4 \
-            else self.wire(t)
-
-    def dst_itemsize(self, edge) -> int:
-        """Bytes an element of an edge's result moves as where it is resharded after the op."""
-        t = self.g.tensors[edge.dst]
-        return 2 if edge.dst in self.narrow else self.wire(t)
-
-    def moved_itemsize(self, dot, t) -> int:
-        """Bytes an element of a dot's operand takes where it is resharded for the dot: 2 for
-        float32 operands at DEFAULT precision on a TPU (libtpu rounds them to bfloat16 for the
-        one-pass matmul before it gathers them), else :meth:`wire`."""
-        return 2 if dot.bf16_pass and self.m.tiled else self.wire(t)
-
-    def dot_comms(self, dot, option, lhs_spec: Spec, rhs_spec: Spec, out_spec: Spec) -> list[tuple[Comm, float]]:
-        """The collectives of one dot strategy (operand resharding, partial-sum reduction), priced."""
-        req_l, req_r, prod, partial, _ = self.dot_specs(dot, option)
-        out = []
-        for tid, have, need in ((dot.lhs, lhs_spec, req_l), (dot.rhs, rhs_spec, req_r)):
-            t = self.g.tensors[tid]
-            out += self.m.reshard_items(t.shape, self.moved_itemsize(dot, t), have, need)
-        t = self.g.tensors[dot.out]
-        groups = self.partial_groups(dot, option)
-        out += self.m.reduce_items(t.shape, self.wire(t), prod, partial, out_spec, groups,
-                                   self.combined.get(dot.out, 1))
-        return self.scaled(out, dot.mult)
-
-    @staticmethod
-    def scaled(items: list[tuple[Comm, float]], mult: float) -> list[tuple[Comm, float]]:
-        """Collectives issued ``mult`` times a step: their seconds per step."""
-        return [(c, mult * sec) for c, sec in items]
-
-    def shift_comms(self, tid: int, spec: Spec) -> list[tuple[Comm, float]]:
-        """The collectives of a rolled tensor (:attr:`Graph.shifts`, the pipeline's stage shift)
-        of this spec, each with its seconds per step: where the rolled dimension (0) is split, each
-        device sends the row it holds last to the next device along those axes (one
-        collective-permute of a row of its shard); nothing moves where it is whole."""
-        t = self.g.tensors[tid]
-        axes = spec[0]
-        if not axes:
-            return []
-        rows = -(-t.shape[0] // self.m.shards(axes))
-        c = Comm(COLLECTIVE_PERMUTE, tuple(axes), self.m.per_device_bytes(t.shape, self.wire(t), spec) / rows)
-        return [(c, t.mult * self.m.collective_time(c))]
-
-    def input_seconds(self, tid: int, spec: Spec) -> float:
-        """Seconds per step the hosts spend loading an input (the batch) of this spec: each node
-        loads its share (:meth:`MeshSpec.node_shards`), all nodes at once. The same for every
-        spec on one node, so only meshes of several nodes price it."""
-        mesh = self.m.mesh
-        if mesh.nodes == 1:
-            return 0.0
-        t = self.g.tensors[tid]
-        return t.nbytes / mesh.node_shards([a for axes in spec for a in axes]) / mesh.device.host_bandwidth
-
-    def offload_seconds(self, tid: int, spec: Spec) -> float:
-        """Seconds per step a transfer's result (:attr:`~shardplan.ir.graph.Graph.transfers`) of this
-        spec takes over the host link; nothing where the target keeps host tensors in device
-        memory (XLA's CPU compiler drops the copy)."""
-        if not self.g.host_apart:
-            return 0.0
-        t = self.g.tensors[tid]
-        return t.mult * self.m.memory_bytes(t.shape, t.dtype.itemsize, spec) / self.m.mesh.device.offload_bandwidth
-
-    def stored_as(self, tid: int) -> tuple[int, tuple[int, ...] | None]:
-        """(item size, tiled dimensions) a tensor is held in device memory with: on a TPU, a
-        float32 tensor only bfloat16-pass dots read is stored as its rounding (not an argument:
-        the caller holds those), and a batched dot's operand or result tiles its own dimensions
-        (:func:`shardplan.compiler.layout.minor_dims`); on XLA's CPU compiler, a bfloat16 tensor the step
-        makes (not an argument, not a result) as float32, which that compiler computes it in."""
-        t = self.g.tensors[tid]
-        if tid in self._inputs:
-            return t.dtype.itemsize, self.minor.get(tid)
-        if tid in self.narrow:
-            return 2, self.minor.get(tid)
-        if self.widened and t.dtype.name == "bfloat16" and tid not in self._returned:
-            return 4, None
-        return t.dtype.itemsize, self.minor.get(tid)
-
-    def stored_bytes(self, tid: int, spec: Spec) -> float:
-        """Bytes per device a tensor of this spec holds (:meth:`stored_as`)."""
-        t = self.g.tensors[tid]
-        itemsize, minor = self.stored_as(tid)
-        return self.m.memory_bytes(t.shape, itemsize, spec, minor)
-
-    def hbm_seconds(self, tid: int, per_device_bytes, *, priced: bool = False):
-        """Seconds per step a tensor of these bytes per device spends crossing HBM (its reads
-        and writes, :func:`hbm_traffic`: as the ILP counts them, or with ``priced`` as XLA fuses)."""
-        traffic = self.priced_traffic if priced else self.traffic
-        return self.g.tensors[tid].mult * traffic.get(tid, 0) * per_device_bytes / self.m.mesh.device.hbm_bandwidth
-
-    def dot_compute(self, dot, option) -> float:
-        req_l, req_r, prod, _, _ = self.dot_specs(dot, option)
-        flops = 2.0
-        for size, axes in zip(self.dot_sizes(dot), option):
-            flops *= math.ceil(size / self.m.shards(axes))
-        out_bytes = self._bytes(dot.out, prod)
-        nbytes = self._bytes(dot.lhs, req_l) + self._bytes(dot.rhs, req_r) + out_bytes
-        lhs = self.g.tensors[dot.lhs]
-        split = self._split_k_partials(dot, option) if self.m.gpu is not None else 0.0
-        if not split:
-            return self.m.compute_time(flops, nbytes, lhs.dtype.name)
-        # Split K ways on a GPU (shardplan.compiler.splitk): the matmul writes float32 partial sums in
-        # place of its result, and a second kernel reads them and writes the result.
-        return self.m.compute_time(flops, nbytes - out_bytes + split, lhs.dtype.name) + \
-            (split + out_bytes) / self.m.mesh.device.hbm_bandwidth
-
-    def _split_k_partials(self, dot, option) -> float:
-        """Bytes of the float32 partial sums XLA splits this dot option's matmul into on the
-        mesh's GPU (:mod:`shardplan.compiler.splitk`; 0 unsplit)."""
-        batch, m, n, k, s = self._split_k(dot, option)
-        return splitk.partial_bytes(batch, m, n, s)
-
-    def _split_k(self, dot, option) -> tuple[int, int, int, int, int]:
-        """``(batch, m, n, k, split)`` of this dot option's matmul on the mesh's GPU, per device
-        (:mod:`shardplan.compiler.splitk`; split 1: not split)."""
-        local = [math.ceil(size / self.m.shards(axes)) if axes else size
-                 for size, axes in zip(self.dot_sizes(dot), option)]
-        batch, m, n, k = splitk.matmul_dims(dot.dims, local)
-        lhs, rhs, out = (self.g.tensors[t].dtype for t in (dot.lhs, dot.rhs, dot.out))
-        return batch, m, n, k, splitk.splits(self.m.gpu, batch, m, n, k, lhs, rhs, out)
 
     # -- the problem ------------------------------------------------------------------------------
     def node_options(self) -> list[list]:
@@ -468,7 +195,7 @@ class Enumerator:
         for t in g.inputs:
             if not g.tensors[t].rank:
                 base_memory += g.tensors[t].nbytes
-        base_memory += self.tuple_slots * layout.HEAP_ALIGN
+        base_memory += self.price.a.tuple_slots * layout.HEAP_ALIGN
         # A shard_map body's own temporaries, at every checkpoint (an upper bound: it runs at one).
         base_memory += max((r.temp_bytes for r in g.manual), default=0.0) * heap
 
@@ -499,24 +226,24 @@ class Enumerator:
                 if specs is None:
                     specs = specs_of_classes[classes] = [tuple(o.get(c, ()) for c in classes) for o in options]
                 spec_of[t] = specs
-                itemsize, minor = self.stored_as(t)
+                itemsize, minor = self.price.stored_as(t)
                 key = (classes, tt.shape, itemsize, minor)
                 if key not in bytes_of:     # (arguments' bytes, a temporary's in the heap) per option
                     laid = np.array([self.m.memory_bytes(tt.shape, itemsize, s, minor) for s in specs])
                     bytes_of[key] = laid, layout.heap_bytes(laid, self.m.tiled)
                 per_dev, in_heap = bytes_of[key]
                 if t in self.fed:
-                    cost += np.array([self.input_seconds(t, s) for s in specs])
+                    cost += np.array([self.price.input_seconds(t, s) for s in specs])
                 if t in g.shifts:
-                    cost += np.array([sum(sec for _, sec in self.shift_comms(t, s)) for s in specs])
-                traffic += self.hbm_seconds(t, per_dev)
+                    cost += np.array([sum(sec for _, sec in self.price.shift_comms(t, s)) for s in specs])
+                traffic += self.price.hbm_seconds(t, per_dev)
                 for p in live_at.get(t, []):
                     memory[p] += in_heap * heap
                 if t in always and not (g.host_apart and tt.host):
                     memory += per_dev[None, :]
             node_of_group[root] = len(nodes)
             label = g.tensors[ranked[0]].name
-            where = tuple((g.tensors[t].shape, g.tensors[t].dtype.name, self.traffic.get(t, 0),
+            where = tuple((g.tensors[t].shape, g.tensors[t].dtype.name, self.price.a.traffic.get(t, 0),
                            _LAYER_INDEX.sub("#", g.tensors[t].source)) for t in ranked)
             signature = hash((where, tuple(tuple(spec_of[t]) for t in ranked)))
             nodes.append(Node("group", root, options, cost + traffic, memory, label, signature))
@@ -526,10 +253,10 @@ class Enumerator:
         per_option: dict[tuple, np.ndarray] = {}   # dots alike (recomputed, repeated) priced once
         for k, dot in enumerate(g.dots):
             options = all_options[len(nodes)]
-            alike = (dot.dims, dot.fixed, self.dot_sizes(dot),
+            alike = (dot.dims, dot.fixed, self.price.dot_sizes(dot),
                      *((g.tensors[t].shape, g.tensors[t].dtype.name) for t in (dot.lhs, dot.rhs, dot.out)))
             if alike not in per_option:
-                per_option[alike] = np.array([self.dot_compute(dot, o) for o in options])
+                per_option[alike] = np.array([self.price.dot_compute(dot, o) for o in options])
             cost = dot.mult * per_option[alike]
             node_of_dot[k] = len(nodes)
             shapes = tuple(g.tensors[t].shape for t in (dot.lhs, dot.rhs, dot.out))
@@ -540,8 +267,8 @@ class Enumerator:
             combining = [p for p, ops in enumerate(g.combining) if dot.out in ops]
             if (running or held or combining) and self.m.gpu is not None:
                 # a GPU matmul split K ways: its float32 partial sums (splitk.partials_live)
-                memory = splitk.partials_live([self._split_k(dot, o) for o in options],
-                                              [bool(self.dot_specs(dot, o)[3]) for o in options],
+                memory = splitk.partials_live([self.price.split_k(dot, o) for o in options],
+                                              [bool(dot_specs(dot, o)[3]) for o in options],
                                               len(points), running, held, combining, heap)
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
@@ -601,15 +328,15 @@ class Enumerator:
             return self._tables[key]
 
         for i, (e, (a, b)) in enumerate(zip(g.edges, edge_nodes)):
-            add_table(a, b, kept(("edge", i), a, b, lambda e=e: edge_table(self, e, spec_of)))
+            add_table(a, b, kept(("edge", i), a, b, lambda e=e: edge_table(self.price, e, spec_of)))
 
         for k, dot in enumerate(g.dots):
             node = node_of_dot[k]
             options = nodes[node].options
-            specs = functools.cache(lambda options=options: ([self.dot_specs(dot, o) for o in options],
-                                                             [self.partial_groups(dot, o) for o in options]))
+            specs = functools.cache(lambda options=options: ([dot_specs(dot, o) for o in options],
+                                                             [partial_groups(dot, o) for o in options]))
             for role, tid, other in zip(("lhs", "rhs", "out"), (dot.lhs, dot.rhs, dot.out), dot_nodes[k]):
                 add_table(node, other, kept(("dot", k, role), node, other,
                                             lambda dot=dot, role=role, tid=tid, specs=specs:
-                                            dot_table(self, dot, role, tid, spec_of, *specs())))
+                                            dot_table(self.price, dot, role, tid, spec_of, *specs())))
         return Problem(nodes, edges, full.base_memory, node_of_group, node_of_dot)

@@ -31,6 +31,7 @@ import jax.extend.core as jax_core
 
 from shardplan.compiler.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER, Comm
 from shardplan.compiler.liveness import FUSIBLE, REDUCTIONS
+from shardplan.compiler.pricing import wire_itemsize
 from shardplan.compiler.splitk import Gpu, dims_of, partials
 from shardplan.tracing.walk import CALL_PRIMITIVES, scan_counts, sub_jaxpr
 
@@ -85,9 +86,8 @@ def _nbytes(aval) -> float:
 
 
 def _moved(aval, cpu: bool) -> float:
-    """Bytes a collective moves of a value: float32's 4 an element for bfloat16 on XLA's CPU
-    compiler (:meth:`shardplan.sharding.strategies.Enumerator.wire`)."""
-    return 2 * _nbytes(aval) if cpu and aval.dtype.name == "bfloat16" else _nbytes(aval)
+    """Bytes a collective moves of a value (:func:`~shardplan.compiler.pricing.wire_itemsize`)."""
+    return float(math.prod(aval.shape) * wire_itemsize(aval.dtype, cpu))
 
 
 def _axes(name) -> tuple[str, ...]:

@@ -306,9 +306,9 @@ def test_a_scatter_add_into_a_table_split_along_whole_rows_moves_the_updates():
 
     from shardplan.compiler.cost import from_partition_spec
     from shardplan.compiler.hlo import collectives
+    from shardplan.compiler.pricing import Pricer
     from shardplan.devices.mesh import make_jax_mesh
     from shardplan.sharding.rules import apply_rule
-    from shardplan.sharding.strategies import Enumerator
     from shardplan.tracing.walk import build_graph
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     vocab, dim = 512, 64
@@ -322,9 +322,9 @@ def test_a_scatter_add_into_a_table_split_along_whole_rows_moves_the_updates():
     compiled = sorted((c.kind, c.axes, c.nbytes) for c in collectives(f.lower(*args).compile().as_text(), mesh)
                       if c.nbytes > 8 * 16 * 4)       # the ids' all-gather is not priced on this edge
     g = build_graph(jax.make_jaxpr(grad)(*args), ["ids", "upd"], apply_rule)
-    enum = Enumerator(g, M)
+    pricer = Pricer(g, M)
     [edge] = [e for e in g.edges if e.primitive.startswith("scatter") and e.produced is not None]
-    predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
+    predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in pricer.edge_comms(
         edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
     assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
 
@@ -339,9 +339,9 @@ def test_a_scatter_that_overwrites_rows_of_a_table_split_along_them_moves_the_up
 
     from shardplan.compiler.cost import from_partition_spec
     from shardplan.compiler.hlo import collectives
+    from shardplan.compiler.pricing import Pricer
     from shardplan.devices.mesh import make_jax_mesh
     from shardplan.sharding.rules import apply_rule
-    from shardplan.sharding.strategies import Enumerator
     from shardplan.tracing.walk import build_graph
     mesh = make_jax_mesh(("data", "model"), (2, 4))
     vocab, dim = 512, 64
@@ -356,9 +356,9 @@ def test_a_scatter_that_overwrites_rows_of_a_table_split_along_them_moves_the_up
     compiled = sorted((c.kind, c.axes, c.nbytes) for c in collectives(f.lower(*args).compile().as_text(), mesh)
                       if c.nbytes > 8 * 16 * 4)       # the ids' all-gather is priced on their own edge
     g = build_graph(jax.make_jaxpr(write)(*args), ["table", "ids", "rows"], apply_rule)
-    enum = Enumerator(g, M)
+    pricer = Pricer(g, M)
     [edge] = [e for e in g.edges if e.primitive == "scatter" and g.tensors[e.src].shape == (8, 16, dim)]
-    predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in enum.edge_comms(
+    predicted = sorted((c.kind, c.axes, c.nbytes) for c, _ in pricer.edge_comms(
         edge, from_partition_spec(src, 3), from_partition_spec(dst, 2)))
     assert predicted == compiled == [(ALL_TO_ALL, ("data", "model"), 8 * 16 * dim * 4 / 8)]
     from shardplan.compiler import targets

@@ -162,6 +162,7 @@ def test_hoppers_scheduler_keeps_the_combined_gradients_partial_sums_together(pr
     matmul. The model holds the first matmul's partial sums where the last one runs on the H100
     alone, and only for the options whose gradient is reduced (liveness.combined_matmuls)."""
     from shardplan.compiler.cost import shared_model
+    from shardplan.compiler.pricing import dot_specs
     from shardplan.sharding.rules import apply_rule
     from shardplan.sharding.strategies import Enumerator
     from shardplan.tracing.walk import build_graph
@@ -184,8 +185,8 @@ def test_hoppers_scheduler_keeps_the_combined_gradients_partial_sums_together(pr
         problem, _ = enumerator._full_nodes()
         node = problem.nodes[problem.node_of_dot[first[0]]]
         for o, option in enumerate(node.options):
-            reduced = bool(enumerator.dot_specs(g.dots[first[0]], option)[3])
-            split = enumerator._split_k(g.dots[first[0]], option)[-1]
+            reduced = bool(dot_specs(g.dots[first[0]], option)[3])
+            split = enumerator.price.split_k(g.dots[first[0]], option)[-1]
             want = 4.0 * split * 64 * 192 * (1 + spec.device.heap_overhead) if reduced and split > 1 else 0.0
             assert node.memory[point, o] == pytest.approx(want), option
 

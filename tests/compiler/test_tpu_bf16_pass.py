@@ -78,13 +78,13 @@ def test_a_residual_stacked_for_dots_of_the_backward_scan_is_read_as_bf16():
 
 
 def test_only_tpu_meshes_price_the_bf16_pass():
-    from shardplan.sharding.strategies import Enumerator
+    from shardplan.compiler.pricing import Pricer
     g = _graph(lambda a, b: a @ b, jax.ShapeDtypeStruct((64, 128), f32), jax.ShapeDtypeStruct((128, 256), f32))
     dot, rhs = g.dots[0], g.tensors[g.dots[0].rhs]
-    tpu = Enumerator(g, CostModel(shardplan.load_mesh("tpu-v5e-256")))
-    gpu = Enumerator(g, CostModel(shardplan.load_mesh("h100-8")))
+    tpu = Pricer(g, CostModel(shardplan.load_mesh("tpu-v5e-256")))
+    gpu = Pricer(g, CostModel(shardplan.load_mesh("h100-8")))
     assert tpu.moved_itemsize(dot, rhs) == 2 and gpu.moved_itemsize(dot, rhs) == 4
-    assert not gpu.narrow
+    assert not gpu.a.narrow
 
 
 def test_a_reduce_scatter_puts_its_axes_minor_to_the_dimensions_own():
