@@ -565,8 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     all_rows: list[Row] = []
     os.makedirs(args.out, exist_ok=True)
     header = (f"Command: `python -m shardplan.benchmarks.bench "
-              f"{' '.join(argv if argv is not None else sys.argv[1:])}`; "
-              f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices.\n\n")
+              f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {time.strftime('%Y-%m-%d')}, "
+              f"commit {_commit()}, jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} "
+              "devices.\n\n")
     for cell in cells:
         all_rows += run_cell(cell, args.time_limit, bar, args.target)
         write_outputs(all_rows, args.out, header)      # after every cell: a cut-short run keeps its rows
@@ -576,6 +577,21 @@ def main(argv: list[str] | None = None) -> int:
         for path in plots(all_rows, args.out):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit (``+`` where its files differ from it), else ``unknown`` (installed)."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10)
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        edited = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+" if edited else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def write_outputs(all_rows: list[Row], out: str, header: str) -> None:
