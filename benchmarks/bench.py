@@ -540,7 +540,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardplan bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"only the cells {', '.join(QUICK)} (CI)")
+    ap.add_argument("--quick", action="store_true", help=f"only the cells {', '.join(QUICK)}")
     ap.add_argument("--cells", default=None,
                     help="substrings of cell ids to run, separated by ';' (ids contain commas: 'h100-8(2,4)')")
     ap.add_argument("--list", action="store_true", help="list the cells and exit")

@@ -27,6 +27,7 @@ from shardplan.devices.mesh import MeshSpec, load_mesh, preset_names
 from shardplan.errors import (
     DeviceCountError,
     InfeasibleBudgetError,
+    InvalidPlanError,
     MeshConfigError,
     PlanFileError,
     PlanMismatchError,
@@ -40,12 +41,10 @@ from shardplan.plans.plan import Plan, PredictedCost, TensorPlan
 from shardplan.util.sizes import parse_bytes
 
 __all__ = [
-    "AutoFunction", "ContextConfig", "DeviceCountError", "InfeasibleBudgetError", "MeshConfigError", "MeshSpec",
-    "PipelineConfig",
-    "PipelineError", "Plan", "PlanFileError", "PlanMismatchError", "PredictedCost", "RecomputeError", "ShardplanError",
-    "TensorPlan",
-    "attention", "auto", "context_parallel", "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows",
-    "parse_bytes", "pipelined", "plan",
+    "AutoFunction", "ContextConfig", "DeviceCountError", "InfeasibleBudgetError", "InvalidPlanError",
+    "MeshConfigError", "MeshSpec", "PipelineConfig", "PipelineError", "Plan", "PlanFileError", "PlanMismatchError",
+    "PredictedCost", "RecomputeError", "ShardplanError", "TensorPlan", "attention", "auto", "context_parallel",
+    "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
     "preset_names", "search_mesh",
 ]
 

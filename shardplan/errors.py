@@ -53,5 +53,11 @@ class PlanFileError(ShardplanError, ValueError):
     inconsistent state. The message names the file and the problem."""
 
 
+class InvalidPlanError(ShardplanError, ValueError):
+    """A plan whose parts do not agree, found when it is built: a PartitionSpec naming a mesh axis
+    the plan's mesh lacks, a split that does not divide its dimension, a pipeline or context split
+    its mesh cannot hold. The message names the tensor or setting."""
+
+
 class DeviceCountError(ShardplanError, RuntimeError):
     """The mesh needs more devices than ``jax.devices()`` offers."""

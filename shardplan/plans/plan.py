@@ -1,6 +1,8 @@
 """The :class:`Plan`: a PartitionSpec for every tensor, the predicted cost, and how the solver did.
 
-Frozen and serialisable (``to_json`` / ``Plan.from_json``); ``explain()`` prints one row per tensor.
+A frozen record, checked when it is built (:class:`~shardplan.errors.InvalidPlanError` names what is wrong),
+serialisable (``to_json`` / ``Plan.from_json``, the file itself in :mod:`shardplan.plans.files`);
+``explain()`` prints one row per tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from shardplan.compiler.bands import describe as describe_band
 from shardplan.compiler.cost import Spec, to_partition_spec
 from shardplan.compiler.targets import compiler_kind
 from shardplan.devices.mesh import make_jax_mesh
-from shardplan.errors import PlanFileError, PlanMismatchError
+from shardplan.errors import InvalidPlanError, PlanFileError, PlanMismatchError
+from shardplan.plans import files
 from shardplan.solve.solver import SolverStats
 from shardplan.util.sizes import format_bytes
 
@@ -138,6 +141,11 @@ class Plan:
     # family ("pipeline", "remat", "context") -> the best candidate of another choice the search
     # planned, and its predicted step against this plan's (for explain); empty where none searched
     searched: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        problem = self._inconsistency()
+        if problem:
+            raise InvalidPlanError(problem)
 
     # -- shardings ---------------------------------------------------------------------------------
     def jax_mesh(self, devices=None) -> jax.sharding.Mesh:
@@ -266,7 +274,7 @@ class Plan:
         in_tree = str(self.in_tree) if self.in_tree is not None else self.trees[0]
         out_tree = str(self.out_tree) if self.out_tree is not None else self.trees[1]
         return {
-            "format": PLAN_FORMAT, "schema": SCHEMA_VERSION, "mesh_name": self.mesh_name,
+            "mesh_name": self.mesh_name,
             "axis_names": list(self.axis_names), "axis_sizes": list(self.axis_sizes),
             "in_tree": in_tree, "out_tree": out_tree,
             "inputs": rows(self.inputs), "outputs": rows(self.outputs), "activations": rows(self.activations),
@@ -282,34 +290,23 @@ class Plan:
             "stage_shifts": self.stage_shifts, "searched": dict(self.searched)}
 
     def to_json(self) -> str:
-        """The plan as JSON (schema :data:`SCHEMA_VERSION`): every sharding keyed by tensor path,
-        the step's signature and fingerprint, and the names of the pytree structures."""
-        return json.dumps(self._data(), indent=1)
+        """The plan as JSON (schema :data:`~shardplan.plans.files.SCHEMA_VERSION`): every sharding
+        keyed by tensor path, the step's signature and fingerprint, and the names of the pytree
+        structures."""
+        return files.dump(self._data())
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
         """Read :meth:`to_json`'s output back. Anything else (truncated, foreign, an older schema,
         an edit that leaves the plan inconsistent) raises :class:`PlanFileError` naming ``source``."""
+        data = files.parse(text, source)
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFileError(f"{source}: not valid JSON (truncated?): {e.msg} (line {e.lineno}, "
-                                f"column {e.colno})") from None
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise PlanFileError(f"{source}: not a shardplan plan (format {found!r}, expected {PLAN_FORMAT!r})")
-        if data.get("schema") != SCHEMA_VERSION:
-            raise PlanFileError(f"{source}: plan schema {data.get('schema')!r}, this shardplan reads schema "
-                                f"{SCHEMA_VERSION}: plan the step again")
-        try:
-            plan = cls._from_data(data)
+            return cls._from_data(data)
+        except InvalidPlanError as e:
+            raise PlanFileError(f"{source}: {e} (was the file edited?)") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise PlanFileError(f"{source}: a malformed plan ({what})") from None
-        problem = plan._inconsistency()
-        if problem:
-            raise PlanFileError(f"{source}: {problem} (was the file edited?)")
-        return plan
 
     @classmethod
     def _from_data(cls, data: dict) -> Plan:
@@ -341,7 +338,7 @@ class Plan:
             searched={str(k): str(v) for k, v in data.get("searched", {}).items()})
 
     def _inconsistency(self) -> str:
-        """What makes a loaded plan unusable, or ``""``."""
+        """What makes the plan unusable (checked when it is built, a loaded one too), or ``""``."""
         if fingerprint(list(self.signature)) != self.fingerprint:
             return "its signature does not hash to its fingerprint"
         if len(self.axis_names) != len(self.axis_sizes) or any(n < 1 for n in self.axis_sizes):
@@ -395,35 +392,13 @@ class Plan:
     def save(self, path: str) -> None:
         """Write :meth:`to_json` to ``path`` atomically (a reader never sees half a file). Under
         ``jax.distributed`` only process 0 writes."""
-        import os
-        import tempfile
-        if jax.process_index() != 0:
-            return
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".shardplan-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json())
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(tmp, 0o666 & ~mask)          # as open() would make it (mkstemp makes it 0600)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        if jax.process_index() == 0:
+            files.write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> Plan:
         """Read a plan file written by :meth:`save`; :class:`PlanFileError` names the file and what is wrong."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise PlanFileError(f"{path}: cannot read the plan file ({e.strerror})") from None
-        except UnicodeDecodeError:
-            raise PlanFileError(f"{path}: not a text file, so not a shardplan plan") from None
-        return cls.from_json(text, source=path)
+        return cls.from_json(files.read(path), source=path)
 
     def specs_by_tensor(self) -> dict[str, Spec]:
         """Tensor path -> spec, for every tensor the plan names."""
@@ -451,10 +426,6 @@ class Plan:
                     return f"{where}: the step has {b}, the plan {a} there (the computation differs)"
                 return f"{where} is {b.split(' ', 1)[1]} in the step, {a.split(' ', 1)[1]} in the plan"
         return f"the step has {len(signature)} tensors, the plan {len(self.signature)}"
-
-
-PLAN_FORMAT = "shardplan.plan"
-SCHEMA_VERSION = 2
 
 
 def signature(graph) -> tuple[str, ...]:

@@ -1,4 +1,6 @@
-"""The benchmark harness's cell selection and its ratio rule (the runs themselves are in CI's --quick)."""
+"""The benchmark harness: its cell selection, its ratio rule, and cells run end to end."""
+
+import json
 
 from shardplan.benchmarks.bench import CELLS, QUICK, Row, main, ratio
 
@@ -12,6 +14,22 @@ def test_cells_filter_and_quick_subset(capsys):
     assert capsys.readouterr().out.split() == list(QUICK)
     assert main(["--list", "--cells", "no-such-cell"]) == 2
     assert {c.preset for c in CELLS} >= {"cpu-8", "h100-8", "h100-8x8", "a100-128x8", "tpu-v5e-256"}
+
+
+def test_a_cell_runs_end_to_end_and_writes_its_tables(tmp_path, capsys):
+    """One tiny cell through ``main``: every plan compiled on fake CPU devices, the tables and raw
+    rows written, and on this cell (8-way data parallel is what a small model wants) the planner's
+    compiled step no slower than the best hand plan."""
+    assert main(["--cells", "gpt-tiny/cpu-8(8,1)/hbm", "--out", str(tmp_path), "--time-limit", "5"]) == 0
+    rows = [Row(**r) for r in json.loads((tmp_path / "results.json").read_text())]
+    assert {r.plan for r in rows} >= {"shardplan", "dp", "fsdp", "megatron", "maxtext"}
+    assert all(r.status == "ok" or r.status.startswith("n/a") for r in rows), rows
+    q, best = ratio(rows)
+    assert best and q <= 1.001, (q, best)
+    table = (tmp_path / "matrix.md").read_text()
+    assert table.startswith("Command: `python -m shardplan.benchmarks.bench --cells") and "commit " in table
+    assert (tmp_path / "results.csv").read_text().count("\n") == len(rows) + 1
+    assert "gpt-tiny/cpu-8(8,1)/hbm" in capsys.readouterr().out
 
 
 def test_ratio_uses_the_best_baseline_that_fits():

@@ -3,6 +3,7 @@ the errors a wrong, edited, truncated or foreign plan file gets."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,19 @@ def test_edited_plans_are_refused(saved, tmp_path):
         row["spec"] = [["data", "model"] if i == k else [] for i in range(len(row["shape"]))]
     with pytest.raises(PlanFileError, match="which does not divide it"):
         load(indivisible)
+
+
+def test_a_plan_is_checked_when_it_is_built_not_only_when_it_is_loaded(saved):
+    import dataclasses
+
+    from shardplan.errors import InvalidPlanError
+    plan = shardplan.Plan.load(saved[0])
+    row = plan.inputs[0]
+    bogus = dataclasses.replace(row, spec=(("bogus",),) + row.spec[1:])
+    with pytest.raises(InvalidPlanError, match=re.escape(f"{row.name}: PartitionSpec uses mesh axis 'bogus'")):
+        dataclasses.replace(plan, inputs=(bogus,) + plan.inputs[1:])
+    with pytest.raises(InvalidPlanError, match="do not match sizes"):
+        dataclasses.replace(plan, axis_sizes=plan.axis_sizes[:-1])
 
 
 def test_a_train_state_plan_binds_in_another_process(tmp_path):
