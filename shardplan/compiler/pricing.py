@@ -91,7 +91,8 @@ class Pricer:
         lhs, rhs = self.g.tensors[dot.lhs], self.g.tensors[dot.rhs]
         return tuple(lhs.shape[l] if l is not None else rhs.shape[r] for l, r, _ in dot.dims)
 
-    def bytes(self, tid: int, spec: Spec) -> float:
+    def laid_bytes(self, tid: int, spec: Spec) -> float:
+        """Bytes per device of a tensor of this spec in its own dtype, as the device lays it out."""
         key = (tid, spec)
         if key not in self._bytes_memo:
             t = self.g.tensors[tid]
@@ -290,8 +291,8 @@ class Pricer:
         flops = 2.0
         for size, axes in zip(self.dot_sizes(dot), option):
             flops *= math.ceil(size / self.m.shards(axes))
-        out_bytes = self.bytes(dot.out, prod)
-        nbytes = self.bytes(dot.lhs, req_l) + self.bytes(dot.rhs, req_r) + out_bytes
+        out_bytes = self.laid_bytes(dot.out, prod)
+        nbytes = self.laid_bytes(dot.lhs, req_l) + self.laid_bytes(dot.rhs, req_r) + out_bytes
         lhs = self.g.tensors[dot.lhs]
         split = self.split_k_partials(dot, option) if self.m.gpu is not None else 0.0
         if not split:
