@@ -1,4 +1,6 @@
-"""How each primitive relates the shardings of its operands and results.
+"""How each primitive relates the shardings of its operands and results: the rules, registered by
+primitive name (:mod:`shardplan.sharding.site`; those of gather and scatter in
+:mod:`shardplan.sharding.indexing`), and :func:`apply_rule`, which runs an equation's rule.
 
 Every rule adds to the graph either unions (same-shape elementwise ops: one sharding for all),
 a :class:`~shardplan.ir.graph.DotOp`, or :class:`~shardplan.ir.graph.PairEdge` relations whose cost the
@@ -9,16 +11,12 @@ the primitive and the source line.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 from shardplan.compiler.layout import tiled
-from shardplan.ir.graph import DotOp, Graph, ManualRegion, PairEdge
+from shardplan.ir.graph import DotOp, Graph, ManualRegion
+from shardplan.sharding import indexing  # noqa: F401  (registers the gather and scatter rules)
+from shardplan.sharding.site import RULES, Site, rank, rule
 from shardplan.tracing.manual import MANUAL_PRIMITIVE, body_peak, region_specs
-from shardplan.tracing.rewrites import VOCAB_PARALLEL_GATHER, vocab_parallel_applies
 from shardplan.tracing.walk import is_shift, source_of
-
-Spec = tuple[tuple[str, ...], ...]
 
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                "reduce_xor"}
@@ -34,14 +32,6 @@ _WINDOWED = {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "red
 _SCANS_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
-def _clear(spec: Spec, dims) -> Spec:
-    return tuple(() if d in dims else axes for d, axes in enumerate(spec))
-
-
-def _rank(g: Graph, t) -> int:
-    return g.tensors[t].rank if t is not None else 0
-
-
 def _bf16_pass(g: Graph, eqn, lhs, rhs) -> bool:
     """Whether a dot or convolution multiplies float32 operands at DEFAULT precision (on a TPU,
     one bfloat16 pass: its operands move as bfloat16)."""
@@ -52,70 +42,6 @@ def _bf16_pass(g: Graph, eqn, lhs, rhs) -> bool:
         return True
     precision = precision if isinstance(precision, tuple) else (precision, precision)
     return all(p is None or getattr(p, "name", str(p)) == "DEFAULT" for p in precision)
-
-
-@dataclasses.dataclass
-class Site:
-    """One equation of the step as its rule sees it: the graph being built, the equation, its
-    operand and result tensors (``None`` for a literal) and how many times a step runs it."""
-    g: Graph
-    eqn: object
-    ins: list
-    outs: list
-    mult: float
-
-    @property
-    def prim(self) -> str:
-        return self.eqn.primitive.name
-
-    @property
-    def params(self) -> dict:
-        return self.eqn.params
-
-    @property
-    def out(self):
-        return self.outs[0] if self.outs else None
-
-    @property
-    def operands(self) -> list:
-        """The operands that are arrays of rank one or more."""
-        return [t for t in self.ins if t is not None and _rank(self.g, t) > 0]
-
-    @property
-    def shape_out(self) -> tuple:
-        return self.g.tensors[self.out].shape if self.out is not None else ()
-
-    def rank(self, t) -> int:
-        return _rank(self.g, t)
-
-    def edge(self, src, dst, required=None, produced=None, passthrough=None, rewrite=None, sized=False):
-        """A :class:`PairEdge` from ``src`` to ``dst``: ``required`` maps ``dst``'s spec to the one
-        ``src`` must have; ``produced`` maps ``src``'s spec to ``dst``'s and the axes left partial."""
-        if src is not None and dst is not None:
-            self.g.add_edge(PairEdge(src, dst, self.prim, self.mult, required=required, produced=produced,
-                                     passthrough=passthrough, rewrite=rewrite, sized=sized))
-
-    def replicated(self, src, dst):
-        """``src`` gathered whole (replicated) to make ``dst``."""
-        self.edge(src, dst, required=lambda s, r=_rank(self.g, src): ((),) * r)
-
-    def whole_along(self, src, dst, dims):
-        """``dst`` keeps ``src``'s sharding but for ``dims``, which are whole on every device."""
-        self.edge(src, dst, required=lambda s, dims=frozenset(dims): _clear(s, dims))
-
-
-# The rules, by primitive name: each adds unions, dots or pair edges for one equation.
-RULES: dict[str, Callable[[Site], None]] = {}
-
-
-def rule(*primitives: str):
-    """Register the decorated function as the rule of ``primitives``."""
-    def register(fn):
-        for name in primitives:
-            assert name not in RULES, f"two rules for {name!r}"
-            RULES[name] = fn
-        return fn
-    return register
 
 
 def apply_rule(g: Graph, eqn, ins: list, outs: list, mult: float) -> None:
@@ -131,7 +57,7 @@ def dot_rule(site: Site) -> None:
     g, ins = site.g, site.ins
     (lc, rc), (lb, rb) = site.params["dimension_numbers"]
     lhs, rhs = ins
-    lr, rr = _rank(g, lhs), _rank(g, rhs)
+    lr, rr = rank(g, lhs), rank(g, rhs)
     dims = [(l, r, k) for k, (l, r) in enumerate(zip(lb, rb))]
     lfree = [d for d in range(lr) if d not in lc and d not in lb]
     rfree = [d for d in range(rr) if d not in rc and d not in rb]
@@ -179,8 +105,8 @@ def window_rule(site: Site) -> None:
 def top_k_rule(site: Site) -> None:
     """XLA's TPU compiler splits top_k along its other dims; the CPU and GPU compilers run it as a
     custom call on the whole operand, all-gathered first (checked on both, deviceless GPU)."""
-    rank = site.rank(site.ins[0])
-    whole = set(range(rank)) if not tiled(site.g.device) else {rank - 1}
+    n = site.rank(site.ins[0])
+    whole = set(range(n)) if not tiled(site.g.device) else {n - 1}
     for o in site.outs:
         site.whole_along(site.ins[0], o, whole)
 
@@ -289,8 +215,8 @@ def sort_rule(site: Site) -> None:
 def matrix_rule(site: Site) -> None:
     """A factorisation of each matrix in a batch (same shape, no params: not elementwise): the
     matrix dims (the last two) whole on every device, the batch dims keep their axes."""
-    rank = site.rank(site.ins[0])
-    site.whole_along(site.ins[0], site.out, {rank - 2, rank - 1})
+    n = site.rank(site.ins[0])
+    site.whole_along(site.ins[0], site.out, {n - 2, n - 1})
 
 
 @rule("concatenate")
@@ -376,14 +302,14 @@ def manual_rule(site: Site) -> None:
                     "(correct, maybe slow); make it manual over every mesh axis to have it planned around")
         for o in outs:
             for t in ins:
-                if t is not None and _rank(g, t):
-                    edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+                if t is not None and rank(g, t):
+                    edge(t, o, required=lambda s, r=rank(g, t): ((),) * r)
         return
     in_specs, out_specs = specs
     source = source_of(eqn, g.call_source)
-    ranked = [o for o in outs if o is not None and _rank(g, o)]
+    ranked = [o for o in outs if o is not None and rank(g, o)]
     for t, spec in zip(ins, in_specs):
-        if t is not None and _rank(g, t) and ranked:
+        if t is not None and rank(g, t) and ranked:
             edge(t, ranked[0], required=lambda s, spec=spec: spec)
     for o, spec in zip(outs, out_specs):
         if o is not None:
@@ -404,7 +330,7 @@ def device_put_rule(site: Site) -> None:
     g, eqn, ins, outs, edge = site.g, site.eqn, site.ins, site.outs, site.edge
     for k, (t, o) in enumerate(zip(ins, outs)):
         dst = eqn.params["devices"][k]
-        if t is None or o is None or not _rank(g, t):
+        if t is None or o is None or not rank(g, t):
             continue
         if dst is None or type(dst).__name__ == "MemorySpace":
             g.union(t, o)
@@ -424,12 +350,12 @@ def device_put_rule(site: Site) -> None:
             if g.tensors[t].host != g.tensors[o].host:
                 g.transfers.add(o)
             spec = tuple(dst.spec)
-            for d in range(_rank(g, o)):
+            for d in range(rank(g, o)):
                 entry = spec[d] if d < len(spec) else None
                 g.require(o, d, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry),
                           source_of(eqn, g.call_source))
         else:
-            edge(t, o, required=lambda s, r=_rank(g, t): ((),) * r)
+            edge(t, o, required=lambda s, r=rank(g, t): ((),) * r)
 
 
 @rule("sharding_constraint")
@@ -445,7 +371,7 @@ def constraint_rule(site: Site) -> None:
                     f"{source_of(eqn, g.call_source)} is not a NamedSharding; the planner does not hold it")
         return
     free = eqn.params.get("unconstrained_dims") or ()
-    for d in range(_rank(g, out)):
+    for d in range(rank(g, out)):
         if d in free:
             continue
         entry = spec[d] if d < len(spec) else None
@@ -532,164 +458,3 @@ def _reshape_rule(shape_in, shape_out):
                 left //= n
         return tuple(tuple(axes) for axes in req)
     return required
-
-
-@rule("gather")
-def gather_rule(site: Site) -> None:
-    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
-    dn = eqn.params["dimension_numbers"]
-    slice_sizes = eqn.params["slice_sizes"]
-    operand, indices = ins[0], ins[1]
-    op_shape = g.tensors[operand].shape
-    idx_rank = _rank(g, indices)
-    out_rank = _rank(g, out)
-    offset_dims = list(dn.offset_dims)
-    batch_out = [d for d in range(out_rank) if d not in offset_dims]
-    idx_batch = list(range(idx_rank - 1))      # the last indices dim is the index vector
-    out_of_idx = dict(zip(idx_batch, batch_out))
-    op_batching = list(getattr(dn, "operand_batching_dims", ()))
-    idx_batching = list(getattr(dn, "start_indices_batching_dims", ()))
-    window = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in op_batching]
-    out_of_op = dict(zip(window, offset_dims))
-    for od, idd in zip(op_batching, idx_batching):
-        out_of_op[od] = out_of_idx[idd]
-
-    def operand_required(s):
-        return tuple(s[out_of_op[d]] if d in out_of_op and (d in op_batching or slice_sizes[d] == op_shape[d])
-                     else () for d in range(len(op_shape)))
-
-    def indices_required(s):
-        return tuple(s[out_of_idx[d]] if d in out_of_idx else () for d in range(idx_rank))
-
-    def operand_passthrough(src, dst):
-        # XLA's gather partitioner keeps an operand sharded along whole window (or batching) dims
-        # and gathers in place: those dims of the result come out sharded the same way, its
-        # index dims follow the indices (priced on their own edge, in the result's spec).
-        spec = [()] * out_rank
-        for d, axes in enumerate(src):
-            if not axes:
-                continue
-            if d not in out_of_op or not (d in op_batching or slice_sizes[d] == op_shape[d]):
-                return None
-            spec[out_of_op[d]] = axes
-        used = {a for axes in spec for a in axes}
-        for od in batch_out:
-            if not spec[od]:
-                spec[od] = tuple(a for a in dst[od] if a not in used)
-                used.update(spec[od])
-        return tuple(spec)
-    rewrite = None
-    if vocab_parallel_applies(eqn):
-        def vocab_parallel(src, dst):
-            # A row lookup from a table split by rows (an embedding split over its vocabulary):
-            # each device looks up the ids in its rows, the partial results are summed.
-            rows = src[0]
-            if not rows or any(a in rows for axes in dst for a in axes):
-                return None
-            made = tuple(dst[d] if d in batch_out else () for d in range(out_rank))
-            for d, axes in enumerate(src[1:], start=1):
-                if any(a in axes for b in made for a in b):
-                    return None
-                made = made[:out_of_op[d]] + (axes,) + made[out_of_op[d] + 1:]
-            return VOCAB_PARALLEL_GATHER, made, rows
-        rewrite = vocab_parallel
-    edge(operand, out, required=operand_required, passthrough=operand_passthrough, rewrite=rewrite)
-    edge(indices, out, required=indices_required)
-
-
-@dataclasses.dataclass
-class _ScatterDims:
-    """How a scatter's operand (and result), indices and updates dimensions correspond."""
-
-    op_shape: tuple
-    up_shape: tuple
-    idx_rank: int
-    scatter_up: list        # the updates' dims that index (one per index, not window dims)
-    window_op: list         # the operand's window dims (neither inserted nor batching)
-    op_batching: list
-    up_of_op: dict          # operand dim -> the updates' dim over it (window and batching dims)
-    up_of_idx: dict         # indices dim -> the updates' dim over it
-    idx_of_op: dict         # operand batching dim -> the indices' batching dim
-
-    @classmethod
-    def of(cls, g, eqn, operand, indices, updates) -> _ScatterDims:
-        dn = eqn.params["dimension_numbers"]
-        up_rank, op_rank, idx_rank = _rank(g, updates), _rank(g, operand), _rank(g, indices)
-        window_up = list(dn.update_window_dims)
-        scatter_up = [d for d in range(up_rank) if d not in window_up]
-        op_batching = list(getattr(dn, "operand_batching_dims", ()))
-        idx_batching = list(getattr(dn, "scatter_indices_batching_dims", ()))
-        window_op = [d for d in range(op_rank) if d not in dn.inserted_window_dims and d not in op_batching]
-        up_of_op = dict(zip(window_op, window_up))
-        up_of_idx = dict(zip(range(idx_rank - 1), scatter_up))
-        idx_of_op = dict(zip(op_batching, idx_batching))
-        for od, idd in idx_of_op.items():
-            up_of_op[od] = up_of_idx[idd]
-        return cls(g.tensors[operand].shape, g.tensors[updates].shape, idx_rank, scatter_up, window_op,
-                   op_batching, up_of_op, up_of_idx, idx_of_op)
-
-    def whole(self, d: int) -> bool:
-        """Whether the updates cover operand dim ``d`` whole (a dim each device can keep its shard of)."""
-        return d in self.up_of_op and self.op_shape[d] == self.up_shape[self.up_of_op[d]]
-
-
-@rule("scatter")
-def scatter_rule(site: Site) -> None:
-    """A scatter that overwrites (``x.at[i].set(u)``): each device writes its own shard of the
-    result, from the updates split as the result is on the window dims the scatter keeps whole
-    (and on the batching dims of a vmapped scatter, with the indices), whole on the others: a
-    write cannot be split into partial results to sum, as a scatter-add's can."""
-    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
-    operand, indices, updates = ins[0], ins[1], ins[2]
-    g.union(operand, out)
-    m = _ScatterDims.of(g, eqn, operand, indices, updates)
-
-    def updates_spec(dst):
-        spec = [()] * len(m.up_shape)
-        for d, u in m.up_of_op.items():
-            if m.whole(d):
-                spec[u] = dst[d]
-        return tuple(spec)
-    edge(updates, out, required=updates_spec)
-    if indices is not None and m.idx_rank:
-        edge(indices, out, required=lambda dst: tuple(
-            next((dst[od] for od, idd in m.idx_of_op.items() if idd == d), ()) for d in range(m.idx_rank)))
-
-
-@rule("scatter-add", "scatter_add")
-def scatter_add_rule(site: Site) -> None:
-    g, eqn, ins, out, edge = site.g, site.eqn, site.ins, site.out, site.edge
-    operand, indices, updates = ins[0], ins[1], ins[2]
-    g.union(operand, out)
-    m = _ScatterDims.of(g, eqn, operand, indices, updates)
-    op_rank, idx_rank, up_of_op, window_op = len(m.op_shape), m.idx_rank, m.up_of_op, m.window_op
-
-    def produced(s):
-        spec = tuple(s[up_of_op[d]] if m.whole(d) else () for d in range(op_rank))
-        used = {a for axes in spec for a in axes}
-        partial = tuple(a for d in m.scatter_up for a in s[d] if a not in used)
-        return spec, partial
-
-    passthrough_dims = {d for d in window_op if m.whole(d)}
-
-    def operand_passthrough(s, dst):
-        # XLA's "operand passthrough" scatter: where the result is split along whole window dims,
-        # the updates are resharded to be split the same way on their window dims (keeping what
-        # they split on their scatter dims on other axes: partial sums, reduced after the local
-        # scatter), and each device scatters into its own shard of those dims. A result split on
-        # other dims too (an embedding table's rows) is held whole along them while it is
-        # scattered into, its partial sums all-reduced, then sliced. None where no whole window
-        # dim is split: XLA scatters the updates as they are.
-        through = {d for d, axes in enumerate(dst) if axes and d in passthrough_dims}
-        if not through:
-            return None
-        taken = {a for d in through for a in dst[d]}
-        need = [tuple(a for a in axes if a not in taken) for axes in s]
-        for d, u in up_of_op.items():
-            if d in window_op:
-                need[u] = dst[d] if d in through else ()
-        return tuple(need)
-    edge(updates, out, produced=produced, passthrough=operand_passthrough)
-    if indices is not None and idx_rank:
-        edge(indices, updates, required=lambda s: tuple(s[m.up_of_idx[d]] if d in m.up_of_idx else ()
-                                                        for d in range(idx_rank)))

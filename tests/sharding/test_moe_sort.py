@@ -220,7 +220,7 @@ def test_planned_sort_moe_matches_the_plain_step(mesh, write, groups, capfd):
 
     plan = planned.plan
     # The .at[].set variant's scatters (of the tokens, of JAX's scatter-JVP ids, of the unsort)
-    # have their own rule (rules._scatter_rule), as the .at[].add variant's scatter-adds: no warning.
+    # have their own rule (indexing.scatter_rule), as the .at[].add variant's scatter-adds: no warning.
     assert not plan.warnings, plan.warnings
     # Every expert weight (and its AdamW moments) is split along its expert dimension.
     experts = [r for r in plan.inputs if r.name.endswith(("['w_in']", "['w_out']"))]

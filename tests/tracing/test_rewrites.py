@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import shardplan
-from shardplan.sharding import rules
+from shardplan.sharding import indexing
 
 V, D = 65536, 4          # a table that must be split (budget) and can only be split by rows on 8 devices
 MESH = shardplan.load_mesh("cpu-8", axes={"model": 8})
@@ -56,7 +56,7 @@ def test_a_row_split_table_is_looked_up_in_place_and_summed():
 def test_the_rewrite_is_chosen_because_it_is_cheaper(monkeypatch):
     params, ids = _args()
     with_rewrite = shardplan.plan(_step, params, ids, mesh=MESH, memory_budget="1MiB", cache=False)
-    monkeypatch.setattr(rules, "vocab_parallel_applies", lambda eqn: False)
+    monkeypatch.setattr(indexing, "vocab_parallel_applies", lambda eqn: False)
     without = shardplan.plan(_step, params, ids, mesh=MESH, memory_budget="1MiB", cache=False)
     assert not without.rewrites
     assert with_rewrite.cost.comm_s < without.cost.comm_s
