@@ -172,6 +172,7 @@ class Graph:
         self.readers: dict[int, list[tuple[str, list[int]]]] = {}   # tensor -> (primitive, its outputs)
         self.level_outputs: set[int] = set()   # results of a jaxpr (the step's, a loop body's, a branch's)
         self.fused: set[int] = set()        # results XLA computes inside their readers' kernels (never stored)
+        self.zeros: set[int] = set()        # broadcasts of a literal zero (jnp.zeros)
         # the step's ops with a tuple result (loops, multi-output kernels: liveness.multi_output_kernels)
         self.tuple_results = 0
         self.made_by: dict[int, tuple[str, list[int]]] = {}   # a result -> (the primitive that made it, its inputs)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from jax.extend import core as jcore
 
 from shardplan.compiler.liveness import IN_PLACE, Level, checkpoints, combining_point, fuse, multi_output_kernels, peak
@@ -192,6 +193,8 @@ class _Walker:
                     level.last_use[ins[0]] = i - 1
                 for t in outs:
                     level.made_by[t] = g.made_by[t] = (prim, [x for x in ins if x is not None])
+                if prim == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
+                    g.zeros.update(outs)
             for t in ins:
                 if t is not None:
                     g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))
@@ -363,3 +366,13 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
             free[key] -= 1
             out.add(t)
     return frozenset(out)
+
+
+def _is_zero(v) -> bool:
+    """Whether a jaxpr operand is the literal zero."""
+    if not isinstance(v, jcore.Literal):
+        return False
+    try:
+        return not np.any(np.asarray(v.val))
+    except (TypeError, ValueError):
+        return False
