@@ -91,18 +91,36 @@ def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
     return 0.0 if s <= 1 else 4.0 * s * batch * m * n
 
 
+def padded_k(k: int, s: int, lhs_bits: int, rhs_bits: int) -> int:
+    """The contraction XLA pads a matmul split ``s`` ways to: a multiple of ``s`` chunks of 16
+    bytes of the narrower operand (``GetPaddedK`` in XLA's split-K rewriter)."""
+    return -(-k // (s * 128 // min(128, lhs_bits, rhs_bits))) * (s * 128 // min(128, lhs_bits, rhs_bits))
+
+
+def padding_bytes(batch: int, m: int, n: int, k: int, s: int, lhs_bits: int, rhs_bits: int) -> float:
+    """Bytes of the zero-padded copies of both operands XLA makes where a matmul split ``s`` ways
+    has a contraction that is not a multiple of :func:`padded_k`'s (0 where it is, or unsplit):
+    a vocabulary of 50304 contracted in a head's input gradient, split 64 ways in float32, is
+    padded to 50432 (``tests/compiler/test_splitk.py``). They live while the matmul runs."""
+    if s <= 1:
+        return 0.0
+    kp = padded_k(k, s, lhs_bits, rhs_bits)
+    return 0.0 if kp == k else batch * kp * (m * lhs_bits + n * rhs_bits) / 8.0
+
+
 def partials_live(split: list[tuple], reduced: list[bool], points: int, running: list[int], held: list[int],
-                  combining: list[int], heap: float) -> np.ndarray:
+                  combining: list[int], heap: float, padded: list[float] | None = None) -> np.ndarray:
     """A GPU matmul's float32 partial sums live at each of ``points`` checkpoints, per option
     (``split``: each option's ``(batch, m, n, k, split)``; ``reduced``: whether its result is
     reduced over mesh axes). They are live while the matmul runs (``running``); a small split's
     also wait while another matmul that the kernel summing them reads runs (``held``:
     liveness.summing_kernels), and on a Hopper GPU any split's wait for the last matmul of those
     whose reductions feed one combined collective, where the option's result is reduced
-    (``combining``: liveness.combined_matmuls)."""
+    (``combining``: liveness.combined_matmuls). ``padded``: per option, the bytes of its operands'
+    zero-padded copies (:func:`padding_bytes`), live while it runs."""
     memory = np.zeros((points, len(split)))
     partial = np.array([partial_bytes(b, m, n, s) for b, m, n, _, s in split]) * heap
-    memory[running] = partial[None, :]
+    memory[running] = (partial + np.asarray(padded if padded is not None else 0.0) * heap)[None, :]
     memory[held] = np.where([s <= SUMMED_IN_READER for *_, s in split], partial, 0.0)[None, :]
     memory[combining] = np.maximum(memory[combining], np.where(reduced, partial, 0.0)[None, :])
     return memory

@@ -269,7 +269,8 @@ class Enumerator:
                 # a GPU matmul split K ways: its float32 partial sums (splitk.partials_live)
                 memory = splitk.partials_live([self.price.split_k(dot, o) for o in options],
                                               [bool(dot_specs(dot, o)[3]) for o in options],
-                                              len(points), running, held, combining, heap)
+                                              len(points), running, held, combining, heap,
+                                              [self.price.split_k_padding(dot, o) for o in options])
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of

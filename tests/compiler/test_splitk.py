@@ -36,6 +36,36 @@ def test_the_split_predicted_is_the_one_the_gpu_compiler_makes(preset, m, n, k):
     assert splits == ({s} if s > 1 else set()), (s, splits)
 
 
+@pytest.mark.parametrize("dtype, m, n, k", [
+    (jnp.float32, 256, 128, 50304),    # a head's input gradient over a 50304 vocabulary: padded
+    (jnp.bfloat16, 256, 128, 50304),
+    (jnp.float32, 256, 128, 32768),    # a multiple of every split's chunk: not padded
+])
+def test_a_split_matmuls_contraction_is_padded_to_whole_16_byte_chunks(dtype, m, n, k):
+    """XLA pads the contraction of a split matmul to a multiple of ``split`` chunks of 16 bytes,
+    with zero-padded copies of both operands (``splitk.padding_bytes``): the padded shapes are
+    the ones in the compiled program."""
+    if not targets.available("gpu"):
+        pytest.skip("the GPU compiler is not installed (pip install 'shardplan[aot]')")
+    spec = shardplan.load_mesh("h100-8", axes={"data": 8})
+    bits = 8 * jnp.dtype(dtype).itemsize
+    s = splitk.split_k(1, m, n, k, splitk.gpu_of(spec.device.name), lhs_bits=bits, rhs_bits=bits, out_bits=bits)
+    assert s > 1
+    kp = splitk.padded_k(k, s, bits, bits)
+    mesh, _ = targets.target_mesh(spec, "gpu")
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype))
+    text = jax.jit(jnp.matmul, in_shardings=(whole, whole), out_shardings=whole).lower(*args).compile().as_text()
+    pads = set(re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} (?:pad|fusion)\(", text))
+    padded = {f"{m},{kp}", f"{kp},{n}"} & pads or {f"{kp},{m}", f"{n},{kp}"} & pads
+    if kp == k:
+        assert splitk.padding_bytes(1, m, n, k, s, bits, bits) == 0
+        assert not re.search(r" pad\(", text)
+    else:
+        assert kp > k and padded, (s, kp, sorted(pads))
+        assert splitk.padding_bytes(1, m, n, k, s, bits, bits) == kp * (m + n) * bits / 8
+
+
 def test_no_split_off_nvidia_gpus():
     assert splitk.gpu_of("host CPU (fake device)") is None and splitk.gpu_of("TPU v5e") is None
     assert splitk.split_k(1, 128, 512, 2048, None) == 1
