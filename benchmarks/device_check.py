@@ -1,6 +1,7 @@
 """Predicted against measured on one real device.
 
-    python benchmarks/device_check.py [--out device_check.json] [--models gpt2-small:16,...] [--budget-s 300]
+    python benchmarks/device_check.py [--out device_check.json] [--models gpt2-small:16,...] [--corpus N]
+        [--budget-s 300]
 
 Each part runs in a process of its own (JAX preallocates most of a GPU's memory per process, and
 each model's peak is read from a fresh allocator):
@@ -37,6 +38,25 @@ if not __package__:   # run as a script from a checkout: import the checkout's s
 
 DEFAULT_MODELS = "llama-tiny:8,gpt2-small:16,llama3-8b:1:n_layers=4,gpt3-1.3b:8"
 MARK = "RESULT "
+
+
+def corpus_models(n: int) -> list[str]:
+    """The first ``n`` decoders of the GPU corpus's fixed set (:mod:`shardplan.benchmarks.fidelity`,
+    seeds 0, 1, ...; its CNNs left out), each as a ``name:batch:field=value...`` item for one
+    device: the batch one data-parallel row of its mesh holds."""
+    from shardplan.benchmarks.fidelity import BASE, draw
+    items, seed = [], 0
+    while len(items) < n and seed < 10 * n + 10:
+        d = draw(seed, "gpu")
+        seed += 1
+        if d.kind == "cnn":
+            continue
+        rows = 1
+        for axis, size in d.axes:
+            rows *= size if axis != "model" else 1
+        fields = "".join(f":{k}={v}" for k, v in d.overrides)
+        items.append(f"{BASE[d.kind]}:{max(1, d.batch // rows)}{fields}")
+    return items
 
 
 def _write(path: str, data: dict) -> None:
@@ -122,6 +142,23 @@ def part_calibrate(args) -> dict:
             "offload_bandwidth_preset": preset.device.offload_bandwidth}
 
 
+def parse_item(item: str) -> tuple[str, int, dict, dict]:
+    """``name:batch:field=value:@flag=value...`` -> (name, batch, config overrides, flags): the
+    flags ``@remat`` (this model's remat setting), ``@profile`` (then this many steps under the
+    profiler: each kernel's time), ``@loop`` (then this many more donated calls, against as many
+    under jax.jit)."""
+    from shardplan.models.train import MODEL_CONFIGS
+    name, batch, *fields = item.split(":")
+    overrides, flags = {}, {}
+    for f in fields:
+        k, _, v = f.partition("=")
+        if k.startswith("@"):
+            flags[k[1:]] = v
+        else:
+            overrides[k] = type(getattr(MODEL_CONFIGS[name], k))(v)
+    return name, int(batch), overrides, flags
+
+
 def part_model(args) -> dict:
     import gc
 
@@ -131,19 +168,9 @@ def part_model(args) -> dict:
     import shardplan
     from shardplan.compiler import targets
     from shardplan.compiler.footprint import compiled_host_memory, compiled_memory
-    from shardplan.models.train import MODEL_CONFIGS, reference
-    name, batch, *fields = args.model.split(":")
-    overrides, remat, loop, profile = {}, args.remat, 0, 0
-    for f in fields:
-        k, _, v = f.partition("=")
-        if k == "@remat":           # this model's remat setting
-            remat = v
-        elif k == "@profile":       # then this many steps under the profiler: each kernel's time
-            profile = int(v)
-        elif k == "@loop":          # then this many more donated calls, against as many under jax.jit
-            loop = int(v)
-        else:
-            overrides[k] = type(getattr(MODEL_CONFIGS[name], k))(v)
+    from shardplan.models.train import reference
+    name, batch, overrides, flags = parse_item(args.model)
+    remat, loop, profile = flags.get("remat", args.remat), int(flags.get("loop", 0)), int(flags.get("profile", 0))
     dev = jax.devices()[0]
     base = args.base or _base(str(getattr(dev, "device_kind", "")), dev.platform)
     mesh = _one_device(base, json.loads(args.calibration) if args.calibration else None)
@@ -292,6 +319,8 @@ def main() -> None:
     ap.add_argument("--models", default=DEFAULT_MODELS,
                     help="name:batch[:field=value],... (run in order until --budget-s is spent)")
     ap.add_argument("--base", default=None, help="preset of this device (default: by its kind)")
+    ap.add_argument("--corpus", type=int, default=0,
+                    help="also run the first N decoders of the GPU corpus's fixed set (benchmarks/fidelity.py)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no new part after this")
     ap.add_argument("--part-timeout-s", type=float, default=200.0)
     ap.add_argument("--steps", type=int, default=5)
@@ -324,7 +353,7 @@ def main() -> None:
             calibration = None
         _write(args.out, result)
     rows = result["models"] = []
-    for item in args.models.split(","):
+    for item in [m for m in args.models.split(",") if m] + corpus_models(args.corpus):
         left = args.budget_s - (time.perf_counter() - start)
         if left <= 0:
             rows.append({"model": item, "skipped": "time budget spent"})

@@ -12,6 +12,9 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl ortools==9.15.6755 immutabledict==4.3.1 protobuf==6.33.6
 # then run:  bash benchmarks/device_check.sh [device_check.py options]
+# The seeded corpus's small models instead of the reference ones (predicted against measured step
+# time and memory for models nobody tuned on; report.py's device table reads them):
+#            bash benchmarks/device_check.sh --models '' --corpus 8
 # (writes $OUT/device_check.json, or ./device_check.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."

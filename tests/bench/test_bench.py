@@ -42,7 +42,12 @@ def test_ratio_uses_the_best_baseline_that_fits():
 def test_megatron_3d_runs_a_pipeline_across_nodes_and_is_not_offered_on_one(tmp_path):
     """The Megatron 3D hand plan: stages split off the data axis across the two nodes, TP inside,
     compiled (on the cpu target here) with the pipeline's stage-to-stage permutes; one node: n/a."""
+    import os
+    import sys
+
     import jax
+    # tests/parallel is on sys.path only where a test of it ran first in this process
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
     from test_pipeline_search import TWO_NODES
 
     import shardplan

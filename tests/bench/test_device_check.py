@@ -63,3 +63,24 @@ def test_the_h200_profile_splits_into_matmuls_other_kernels_and_copies():
         split[(row["model"], row["remat_setting"])] = parts
     for model in ("gpt2-small", "llama3-8b"):
         assert split[(model, "none")]["copies"] > 3 * split[(model, "dots")]["copies"]
+
+
+def test_the_corpus_models_are_items_the_check_builds():
+    """``--corpus N``: the first N decoders of the GPU corpus's fixed set, each as an item whose
+    fields build the corpus's model, with one data-parallel row's batch."""
+    import jax
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from device_check import corpus_models, parse_item
+
+    from shardplan.benchmarks.fidelity import BASE, draw
+    from shardplan.models.train import reference
+    items = corpus_models(6)
+    assert len(items) == 6
+    decoders = [d for d in (draw(s, "gpu") for s in range(20)) if d.kind != "cnn"][:6]
+    for item, d in zip(items, decoders):
+        name, batch, overrides, flags = parse_item(item)
+        assert name == BASE[d.kind] and overrides == dict(d.overrides) and not flags
+        assert 1 <= batch <= d.batch
+        ref = reference(name, scan=True, **overrides)
+        jax.eval_shape(ref.init, jax.random.key(0))

@@ -20,7 +20,7 @@ def test_a_table_is_rewritten_from_its_file_and_the_check_sees_a_stale_one(tmp_p
     assert report.main(["--check", "--page", str(page)]) == 1
     assert report.main(["--page", str(page)]) == 0
     text = page.read_text()
-    assert "prose kept" in text and "old" not in text and "| gpu | 60 | 60 |" in text
+    assert "prose kept" in text and "-->\nold\n" not in text and "| gpu | 70 | 70 |" in text
     assert report.main(["--check", "--page", str(page)]) == 0
     data = json.loads((results / "fidelity_gpu.json").read_text())
     data["rows"]["gpu"] = data["rows"]["gpu"][:10]          # a new run of the corpus
