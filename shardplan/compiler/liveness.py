@@ -243,24 +243,14 @@ def _output_fused_matmuls(g, level: Level, kept: set, fused: set) -> None:
                 continue
             # Layout changes between the matmul and the add (a transposed weight gradient) are
             # folded into the kernel too.
-            chain, last = [t], t
-            while True:
-                readers = g.readers.get(last, [])
-                if len(readers) != 1 or len(readers[0][1]) != 1 or last in kept:
-                    break
-                prim, (out,) = readers[0]
-                if prim in _LAYOUT and out in level.last_use:
-                    chain.append(out)
-                    last = out
-                    continue
-                if prim in ("add", "add_any"):
-                    end = level.last_use.get(last)
-                    if end is not None:
-                        fused.update(chain)
-                        for x in made[1]:
-                            if x in level.last_use:
-                                level.last_use[x] = max(level.last_use[x], end)
-                break
+            found = _added_later(g, level, t, kept)
+            if found is None:
+                continue
+            chain, end = found
+            fused.update(chain)
+            for x in made[1]:
+                if x in level.last_use:
+                    level.last_use[x] = max(level.last_use[x], end)
 
 
 def _narrowing(g, t: int, ins: list[int]) -> bool:
