@@ -51,7 +51,7 @@ def _matrix_rows():
 
 def matrix() -> str:
     """Per compiler: each cell's planner and best fitting hand plan, compiled and priced."""
-    from shardplan.benchmarks.bench import ratio
+    from shardplan.benchmarks.bench_output import ratio
     rows, provenance = _matrix_rows()
     out = [f"From `benchmarks/results/results.json` ({provenance.rstrip('.')})."]
     for compiler in dict.fromkeys(r.compiler or "unrecorded" for r in rows):
@@ -76,7 +76,7 @@ def matrix() -> str:
 
 def matrix_rows() -> str:
     """Every plan of every cell, as the harness wrote it."""
-    from shardplan.benchmarks.bench import markdown
+    from shardplan.benchmarks.bench_output import markdown
     rows, provenance = _matrix_rows()
     return f"{provenance}\n\n" + markdown(rows).split("\n\n")[0]
 

@@ -308,13 +308,6 @@ class Pricer:
         batch, m, n, k, s = self.split_k(dot, option)
         return splitk.partial_bytes(batch, m, n, s)
 
-    def split_k_padding(self, dot, option) -> float:
-        """Bytes of the zero-padded operand copies XLA makes for this dot option's split matmul
-        (:func:`shardplan.compiler.splitk.padding_bytes`; 0 where none)."""
-        batch, m, n, k, s = self.split_k(dot, option)
-        lhs, rhs = (8 * self.g.tensors[t].dtype.itemsize for t in (dot.lhs, dot.rhs))
-        return splitk.padding_bytes(batch, m, n, k, s, lhs, rhs)
-
     def split_k(self, dot, option) -> tuple[int, int, int, int, int]:
         """``(batch, m, n, k, split)`` of this dot option's matmul on the mesh's GPU, per device
         (:mod:`shardplan.compiler.splitk`; split 1: not split)."""

@@ -94,7 +94,8 @@ def partial_bytes(batch: int, m: int, n: int, s: int) -> float:
 def padded_k(k: int, s: int, lhs_bits: int, rhs_bits: int) -> int:
     """The contraction XLA pads a matmul split ``s`` ways to: a multiple of ``s`` chunks of 16
     bytes of the narrower operand (``GetPaddedK`` in XLA's split-K rewriter)."""
-    return -(-k // (s * 128 // min(128, lhs_bits, rhs_bits))) * (s * 128 // min(128, lhs_bits, rhs_bits))
+    multiple = s * 128 // min(128, lhs_bits, rhs_bits)
+    return -(-k // multiple) * multiple
 
 
 def padding_bytes(batch: int, m: int, n: int, k: int, s: int, lhs_bits: int, rhs_bits: int) -> float:
@@ -109,18 +110,19 @@ def padding_bytes(batch: int, m: int, n: int, k: int, s: int, lhs_bits: int, rhs
 
 
 def partials_live(split: list[tuple], reduced: list[bool], points: int, running: list[int], held: list[int],
-                  combining: list[int], heap: float, padded: list[float] | None = None) -> np.ndarray:
+                  combining: list[int], heap: float, bits: tuple[int, int] | None = None) -> np.ndarray:
     """A GPU matmul's float32 partial sums live at each of ``points`` checkpoints, per option
     (``split``: each option's ``(batch, m, n, k, split)``; ``reduced``: whether its result is
     reduced over mesh axes). They are live while the matmul runs (``running``); a small split's
     also wait while another matmul that the kernel summing them reads runs (``held``:
     liveness.summing_kernels), and on a Hopper GPU any split's wait for the last matmul of those
     whose reductions feed one combined collective, where the option's result is reduced
-    (``combining``: liveness.combined_matmuls). ``padded``: per option, the bytes of its operands'
-    zero-padded copies (:func:`padding_bytes`), live while it runs."""
+    (``combining``: liveness.combined_matmuls). ``bits``: the operands' bit widths, for the
+    zero-padded copies of them (:func:`padding_bytes`) that live while it runs (None: none)."""
     memory = np.zeros((points, len(split)))
     partial = np.array([partial_bytes(b, m, n, s) for b, m, n, _, s in split]) * heap
-    memory[running] = (partial + np.asarray(padded if padded is not None else 0.0) * heap)[None, :]
+    padded = np.array([padding_bytes(*o, *bits) for o in split]) if bits is not None else 0.0
+    memory[running] = (partial + padded * heap)[None, :]
     memory[held] = np.where([s <= SUMMED_IN_READER for *_, s in split], partial, 0.0)[None, :]
     memory[combining] = np.maximum(memory[combining], np.where(reduced, partial, 0.0)[None, :])
     return memory

@@ -270,7 +270,7 @@ class Enumerator:
                 memory = splitk.partials_live([self.price.split_k(dot, o) for o in options],
                                               [bool(dot_specs(dot, o)[3]) for o in options],
                                               len(points), running, held, combining, heap,
-                                              [self.price.split_k_padding(dot, o) for o in options])
+                                              tuple(8 * g.tensors[t].dtype.itemsize for t in (dot.lhs, dot.rhs)))
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of

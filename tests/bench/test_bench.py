@@ -2,7 +2,8 @@
 
 import json
 
-from shardplan.benchmarks.bench import CELLS, QUICK, Row, main, ratio
+from shardplan.benchmarks.bench import CELLS, QUICK, Row, main
+from shardplan.benchmarks.bench_output import ratio
 
 
 def test_cells_filter_and_quick_subset(capsys):
