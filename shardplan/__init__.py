@@ -36,16 +36,17 @@ from shardplan.errors import (
 from shardplan.parallel.pipeline import PipelineConfig, PipelineError, layer_scan, pipelined
 from shardplan.parallel.recompute import RecomputeError, layer_remat
 from shardplan.parallel.sequence import ContextConfig, attention, context_parallel
+from shardplan.planning.frontier import Frontier, frontier
 from shardplan.plans.multihost import global_batch, local_rows
 from shardplan.plans.plan import Plan, PredictedCost, TensorPlan
 from shardplan.util.sizes import parse_bytes
 
 __all__ = [
-    "AutoFunction", "ContextConfig", "DeviceCountError", "InfeasibleBudgetError", "InvalidPlanError",
+    "AutoFunction", "ContextConfig", "DeviceCountError", "Frontier", "InfeasibleBudgetError", "InvalidPlanError",
     "MeshConfigError", "MeshSpec", "PipelineConfig", "PipelineError", "Plan", "PlanFileError", "PlanMismatchError",
     "PredictedCost", "RecomputeError", "ShardplanError", "TensorPlan", "attention", "auto", "context_parallel",
-    "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined", "plan",
-    "preset_names", "search_mesh",
+    "frontier", "global_batch", "layer_remat", "layer_scan", "load_mesh", "local_rows", "parse_bytes", "pipelined",
+    "plan", "preset_names", "search_mesh",
 ]
 
 # -- the modules' old places -----------------------------------------------------------------------

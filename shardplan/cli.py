@@ -1,7 +1,8 @@
 """The ``shardplan`` command line: ``shardplan plan`` plans a reference model on a mesh preset;
 ``shardplan audit`` also compiles the planned step on fake devices and holds the prediction
-against the compiled HLO; ``shardplan mesh list|show`` inspects presets. Errors print one line and
-exit 2, no traceback; Ctrl-C exits 130 and writes nothing."""
+against the compiled HLO; ``shardplan frontier`` plans it across hardware kinds and cluster sizes
+and prints the Pareto frontier of time against cost; ``shardplan mesh list|show`` inspects presets.
+Errors print one line and exit 2, no traceback; Ctrl-C exits 130 and writes nothing."""
 
 from __future__ import annotations
 
@@ -237,6 +238,56 @@ def _cmd_plan(args) -> int:
     if args.json:
         _write_atomically(args.json, plan.to_json())     # never a half-written plan on disk
         print(f"plan written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _count(text: str) -> float:
+    """``300e9``, ``300B``, ``1.5T``: a positive count (of tokens)."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive count; give e.g. 300e9 or 300B")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    parse = _int_at_least(1, "--devices 8,64,512")
+    return [parse(part) for part in text.split(",")]
+
+
+def _cmd_frontier(args) -> int:
+    import shardplan
+    from shardplan.devices.prices import load_prices
+    hardware = [h for h in args.hardware.split(",") if h]
+    prices = load_prices(args.prices)           # a bad file or an unknown name: one line, before tracing
+    for h in hardware:
+        prices.for_mesh(h, shardplan.load_mesh(h))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'shardplan[bench]'") from None
+    import jax
+
+    from shardplan.models.train import reference
+    ref = reference(args.model, scan=args.scan, remat="none")
+    state = jax.eval_shape(ref.init, jax.random.key(0))
+    batch = ref.batch(args.batch, abstract=True)
+    with _interruptible():
+        result = shardplan.frontier(ref.train_step, state, batch, hardware=hardware, devices=args.devices,
+                                    tokens=args.tokens, prices=prices, memory_budget=args.memory_budget,
+                                    shapes=args.shapes, pipeline=args.pipeline, remat=_remat_for(args.remat),
+                                    context=args.context, donate_argnums=(0,), time_limit=args.time_limit)
+    print(result.table(every=args.all))
+    if args.json:
+        _write_atomically(args.json, result.to_json())
+        print(f"frontier written to {args.json}", file=sys.stderr)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -476,6 +527,31 @@ def _main(argv: list[str]) -> int:
     a.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu", "tpu"),
                    help="the compiler: gpu / tpu compile for the preset's device with none present (pip install "
                         "'shardplan[aot]'); cpu on fake CPU devices; auto: the preset's own where installed, else cpu")
+    f = sub.add_parser("frontier", help="plan a reference model on hardware kinds x cluster sizes: the Pareto "
+                                         "frontier of time to train against cost")
+    f.add_argument("--model", default="gpt2-small", help=p._option_string_actions["--model"].help)
+    f.add_argument("--hardware", default="a100-8,h100-8,h200-8,tpu-v5e-256,tpu-v5p-64",
+                   help="comma-separated presets or mesh files (their device, links and devices per node)")
+    f.add_argument("--devices", type=_sizes, default=[8, 64, 256, 1024],
+                   help="comma-separated cluster sizes in devices, each whole nodes (e.g. 8,64,512,4096)")
+    f.add_argument("--tokens", type=_count, required=True, help="tokens to train, e.g. 300e9 or 300B")
+    f.add_argument("--prices", required=True,
+                   help="prices file: per-device-hour price of each hardware, with its source and date "
+                        "(meshes/prices/example.toml shows the format; no price is built in)")
+    f.add_argument("--batch", type=_int_at_least(1, "--batch 1536"), default=16, help="global batch size")
+    f.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
+    f.add_argument("--shapes", choices=("preset", "search"), default="preset",
+                   help="mesh shapes: preset (the preset's model axis, the data axis grown) or search (also every "
+                        "power-of-two model axis within a node)")
+    for flag in ("--remat", "--pipeline", "--context", "--memory-budget"):    # as plan's; a pinned family plans faster
+        action = p._option_string_actions[flag]
+        f.add_argument(flag, type=action.type, choices=action.choices, default=None, help=action.help)
+    f.add_argument("--time-limit", type=_time_limit, default=30.0,
+                   help=p._option_string_actions["--time-limit"].help)
+    f.add_argument("--all", action="store_true", help="list every planned size, not only the frontier")
+    f.add_argument("--json", type=_output_file, default=None, help="also write every point as JSON to this path")
+    f.add_argument("--plot", type=_output_file, default=None,
+                   help="also plot time against cost to this PNG path (matplotlib: the bench extra)")
     sub.add_parser("bench", help="the benchmark harness: planner vs hand plans over models, meshes and budgets "
                                  "(shardplan bench --help)")
     m = sub.add_parser("mesh", help="list, show, validate, create and calibrate mesh files and presets")
@@ -516,7 +592,7 @@ def _main(argv: list[str]) -> int:
     try:
         if args.cmd == "mesh":
             return _cmd_mesh(args, extra)
-        return {"plan": _cmd_plan, "audit": _cmd_audit}[args.cmd](args)
+        return {"plan": _cmd_plan, "audit": _cmd_audit, "frontier": _cmd_frontier}[args.cmd](args)
     except BrokenPipeError:
         raise                   # its reader has gone (| head): run() ends quietly
     except (ShardplanError, ValueError, KeyError, OSError) as e:
