@@ -64,6 +64,7 @@ DOTS = frozenset(("dot_general", "conv_general_dilated"))
 # Readers that take a fusible producer into their own kernel besides the fusible ops: a gather
 # computes only the elements it picks (XLA's loop fusion: a cross entropy's label logit gathered
 # from float32 logits converted in the gather's kernel, never stored; tests/compiler/test_liveness.py).
+# Not on a TPU (:func:`fuse`).
 GATHERS = frozenset(("gather", "dynamic_slice"))
 REDUCTIONS = frozenset(("reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum"))
 
@@ -77,14 +78,24 @@ def fuse(g, level: Level, kept: set) -> None:
     duplicate it). Later results first, so a fused chain hands liveness back to its start.
     """
     fused, prologue = set(), set()
-    if g.compiler == "tpu":
+    tpu = g.compiler == "tpu"
+    if tpu:
         _output_fused_matmuls(g, level, kept, fused)
     elif g.compiler == "gpu":
         _late_matmuls(g, level, kept)
-    scattered = set() if g.compiler == "tpu" else _scatters_into_addend(g, level, kept, fused)
+    scattered = _scatters_into_addend(g, level, kept, fused)
+    if tpu:
+        # libtpu computes the scatter as a compare-select inside the add's own kernel: the add
+        # is an elementwise op like any other there.
+        scattered = set()
+    where = {t: i for i, ts in enumerate(level.defined) for t in ts}
     for i in range(len(level.defined) - 1, -1, -1):
         for t in level.defined[i]:
             made = level.made_by.get(t)
+            if made is not None and t in fused:
+                # fused by a rule above: its inputs live until its last reader
+                _read_until(level, made[1], level.last_use.get(t, i))
+                continue
             if made is None or t in kept or t in scattered or made[0] not in FUSIBLE or made[0] in REDUCTIONS:
                 continue
             readers = g.readers.get(t, [])
@@ -93,22 +104,36 @@ def fuse(g, level: Level, kept: set) -> None:
             # fusion), which reads the unconverted tensor: that one is stored. Not a narrowing
             # convert (float32 to bfloat16: "Narrowing conversion", XLA's
             # IsConversionWorthFusing): that one is stored converted, by its producer's kernel.
-            into_dots = made[0] == "transpose" or (made[0] == "convert_element_type" and g.compiler == "gpu"
-                                                   and not _narrowing(g, t, made[1]))
-            fold = (FUSIBLE | GATHERS | DOTS) if into_dots else FUSIBLE | GATHERS
-            if not readers or any(p not in fold for p, _ in readers):
+            # libtpu computes any elementwise chain into a matmul operand inside the matmul's
+            # kernel (its convolution fusion takes the operand's producers), converts both ways
+            # and expensive ops too (tests/compiler/test_liveness.py, the compiled programs).
+            into_dots = tpu or made[0] == "transpose" or (made[0] == "convert_element_type" and g.compiler == "gpu"
+                                                          and not _narrowing(g, t, made[1]))
+            fold = (FUSIBLE | DOTS) if tpu else (FUSIBLE | GATHERS | DOTS) if into_dots else FUSIBLE | GATHERS
+            # A kernel holding a matmul (a TPU's output fusion) is never computed twice, nor
+            # inside another matmul's kernel: its result is stored.
+            holds = tpu and (len(readers) > 1 or any(p in DOTS for p, _ in readers)) \
+                and _holds_matmul(level, fused, made[1])
+            gathers = [o for p, outs in readers if p in GATHERS for o in outs]
+            if tpu and gathers and not holds and all(p in fold or p in GATHERS for p, _ in readers):
+                # libtpu's gather is a kernel of its own that reads a stored operand: the result
+                # is stored for the gathers alone, and computed again in its other readers
+                # (a cross entropy's float32 logits live from the head's matmul to the label
+                # gather; the backward matmuls convert the bfloat16 logits in their kernels).
+                end = level.last_use.get(t, i)
+                _read_until(level, made[1], end)
+                level.last_use[t] = max(where.get(o, end) for o in gathers)
+                continue
+            if not readers or any(p not in fold for p, _ in readers) or holds:
                 continue
             if len(readers) > 1 and _expensive(g, t, made[0]):
                 continue
             if any(o in prologue for _, outs in readers for o in outs):
                 continue
             fused.add(t)
-            if into_dots and made[0] == "convert_element_type" and any(p in DOTS for p, _ in readers):
+            if into_dots and not tpu and made[0] == "convert_element_type" and any(p in DOTS for p, _ in readers):
                 prologue.add(t)
-            end = level.last_use.get(t, i)
-            for x in made[1]:
-                if x in level.last_use:
-                    level.last_use[x] = max(level.last_use[x], end)
+            _read_until(level, made[1], level.last_use.get(t, i))
     if fused:
         level.defined = [[t for t in ts if t not in fused] for ts in level.defined]
         g.fused |= fused
@@ -133,6 +158,31 @@ def fuse(g, level: Level, kept: set) -> None:
                         and g.tensors[x].nbytes == g.tensors[t].nbytes:
                     level.last_use[x] = i - 1
                     break
+
+
+def _holds_matmul(level: Level, fused: set, inputs: list[int]) -> bool:
+    """Whether a kernel computing a result of ``inputs`` computes a matmul too: one of them, or
+    of the fused results on the way to them, is a matmul fused into its reader."""
+    stack, seen = [x for x in inputs if x in fused], set()
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        made = level.made_by.get(x)
+        if made is None:
+            continue
+        if made[0] in DOTS:
+            return True
+        stack.extend(y for y in made[1] if y in fused)
+    return False
+
+
+def _read_until(level: Level, inputs: list[int], end: int) -> None:
+    """A fused result's inputs are read where it is: they live until ``end`` at least."""
+    for x in inputs:
+        if x in level.last_use:
+            level.last_use[x] = max(level.last_use[x], end)
 
 
 def _scatters_into_addend(g, level: Level, kept: set, fused: set) -> set[int]:
@@ -219,6 +269,8 @@ def _late_matmuls(g, level: Level, kept: set) -> None:
         if found is None or found[1] <= i + 1:
             continue
         chain, end = found
+        # ``where`` is not updated as chains move: a chain's tensors are each read once, so no
+        # tensor belongs to two matmuls' chains and none is looked up after it moved.
         for x in chain:
             level.defined[where[x]].remove(x)
             level.last_use[x] = end
@@ -260,7 +312,7 @@ def _narrowing(g, t: int, ins: list[int]) -> bool:
 
 def _expensive(g, t: int, prim: str) -> bool:
     """Whether XLA stores ``t`` (made by ``prim``) rather than compute it in each of its readers."""
-    if prim not in EXPENSIVE:
+    if prim not in EXPENSIVE or g.compiler == "tpu":       # libtpu computes it again in each reader
         return False
     return not (g.compiler == "gpu" and prim in GPU_CHEAP and g.tensors[t].dtype in (np.float32, np.float16))
 
