@@ -241,16 +241,12 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _count(text: str) -> float:
-    """``300e9``, ``300B``, ``1.5T``: a positive count (of tokens)."""
-    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1:].lower(), 1)
+def _tokens(text: str) -> float:
+    from shardplan.util.sizes import parse_count
     try:
-        value = float(text[:-1] if scale != 1 else text) * scale
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive count; give e.g. 300e9 or 300B")
-    return value
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _sizes(text: str) -> list[int]:
@@ -534,7 +530,7 @@ def _main(argv: list[str]) -> int:
                    help="comma-separated presets or mesh files (their device, links and devices per node)")
     f.add_argument("--devices", type=_sizes, default=[8, 64, 256, 1024],
                    help="comma-separated cluster sizes in devices, each whole nodes (e.g. 8,64,512,4096)")
-    f.add_argument("--tokens", type=_count, required=True, help="tokens to train, e.g. 300e9 or 300B")
+    f.add_argument("--tokens", type=_tokens, required=True, help="tokens to train, e.g. 300e9 or 300B")
     f.add_argument("--prices", required=True,
                    help="prices file: per-device-hour price of each hardware, with its source and date "
                         "(meshes/prices/example.toml shows the format; no price is built in)")

@@ -52,6 +52,18 @@ def parse_bytes(value: int | float | str, *, what: str = "memory_budget") -> int
     return int(number)
 
 
+def parse_count(text: str) -> float:
+    """``300e9``, ``300B``, ``1.5T``, ``20k``: a positive count (of tokens); ValueError otherwise."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{text!r} is not a positive count; give e.g. 300e9 or 300B")
+    return value
+
+
 def format_bytes(n: float) -> str:
     """``format_bytes(3 * 2**30) == '3.00 GiB'``."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
