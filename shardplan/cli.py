@@ -197,9 +197,6 @@ def _cmd_plan(args) -> int:
     mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
     # --verify lays the plan over fake CPU devices to compile it (for any target, as audit does).
     _fake_cpu_devices(mesh.num_devices if args.verify is not None else None)
-    import jax
-
-    from shardplan.models.train import reference
     if args.verify is not None:
         from shardplan.compiler import targets
         target = targets.resolve(args.verify, mesh)
@@ -210,15 +207,13 @@ def _cmd_plan(args) -> int:
     # The planner applies the policy to every layer class, or with "auto" chooses each class's
     # with the sharding (shardplan.parallel.recompute), as remat= does in Python: the same refusals
     # (offload on a CPU mesh) and the plan says which it applied.
-    ref = reference(args.model, scan=args.scan, remat="none")
     print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat or 'default'}, "
           f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
           file=sys.stderr, flush=True)
-    state = jax.eval_shape(ref.init, jax.random.key(0))
-    batch = ref.batch(args.batch, abstract=True)
+    step, state, batch = _reference_step(args)
     with _interruptible():
         if search:
-            plan, tried = shardplan.search_mesh(ref.train_step, state, batch, hardware=mesh,
+            plan, tried = shardplan.search_mesh(step, state, batch, hardware=mesh,
                                                 memory_budget=args.memory_budget, donate_argnums=(0,),
                                                 time_limit=args.time_limit)
             for axes, step_s, secs in tried:
@@ -228,10 +223,10 @@ def _cmd_plan(args) -> int:
             kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
                           pipeline=args.pipeline, remat=_remat_for(args.remat), context=args.context)
             if args.verify is None:
-                plan = shardplan.plan(ref.train_step, state, batch, mesh=mesh, **kwargs)
+                plan = shardplan.plan(step, state, batch, mesh=mesh, **kwargs)
             else:
                 # Planned, compiled for the target and planned again while the program is over budget.
-                f = shardplan.auto(ref.train_step, mesh=mesh, fit_compiled=target, **kwargs)
+                f = shardplan.auto(step, mesh=mesh, fit_compiled=target, **kwargs)
                 plan = f.make_plan(state, batch)
                 _say_verified(f.fit_attempts, mesh, args.memory_budget, target)
     print(plan.explain(max_activations=args.activations))
@@ -266,14 +261,9 @@ def _cmd_frontier(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'shardplan[bench]'") from None
-    import jax
-
-    from shardplan.models.train import reference
-    ref = reference(args.model, scan=args.scan, remat="none")
-    state = jax.eval_shape(ref.init, jax.random.key(0))
-    batch = ref.batch(args.batch, abstract=True)
+    step, state, batch = _reference_step(args)
     with _interruptible():
-        result = shardplan.frontier(ref.train_step, state, batch, hardware=hardware, devices=args.devices,
+        result = shardplan.frontier(step, state, batch, hardware=hardware, devices=args.devices,
                                     tokens=args.tokens, prices=prices, memory_budget=args.memory_budget,
                                     shapes=args.shapes, pipeline=args.pipeline, remat=_remat_for(args.remat),
                                     context=args.context, donate_argnums=(0,), time_limit=args.time_limit)
@@ -309,24 +299,19 @@ def _cmd_audit(args) -> int:
     import shardplan
     mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
     _fake_cpu_devices(mesh.num_devices)      # for planning (and the cpu target's compile)
-    # The GPU and TPU compilers run without a device: keep JAX's own backend on the CPU, so that
-    # the CUDA plugin does not look for a driver.
-    import jax
-
+    # The GPU and TPU compilers run without a device: JAX's own backend stays on the CPU (set
+    # above, before jax is imported), so that the CUDA plugin does not look for a driver.
     from shardplan.compiler import targets
-    from shardplan.models.train import reference
     target = targets.resolve(args.target, mesh)
     if not targets.available(target):
         print(f"shardplan: error: --target {target}: the {target.upper()} compiler is not installed; "
               "pip install 'shardplan[aot]' (or --target cpu)", file=sys.stderr)
         return 2
-    ref = reference(args.model, scan=args.scan, remat="none")
     print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on the {target} compiler ...",
           file=sys.stderr, flush=True)
-    state = jax.eval_shape(ref.init, jax.random.key(0))
-    batch = ref.batch(args.batch, abstract=True)
-    f = shardplan.auto(ref.train_step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
+    step, state, batch = _reference_step(args)
+    f = shardplan.auto(step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
                        time_limit=args.time_limit, pipeline=args.pipeline, remat=_remat_for(args.remat),
                        context=args.context)
     with _interruptible():
@@ -336,6 +321,15 @@ def _cmd_audit(args) -> int:
         report = f.audit_for(target, state, batch)
     print(report.table())
     return 1 if report.divergences() else 0
+
+
+def _reference_step(args):
+    """``--model``'s train step (``--scan``), its abstract state and a ``--batch`` of abstract inputs."""
+    import jax
+
+    from shardplan.models.train import reference
+    ref = reference(args.model, scan=args.scan, remat="none")
+    return ref.train_step, jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
 
 
 def _remat_for(setting: str | None):

@@ -330,19 +330,15 @@ class CostModel:
         current = [list(axes) for axes in produced]
         for a in scatter:
             current[dst_dim[a]].append(a)
-        if self.tiled:
-            # On a TPU: a reduce-scatter splits each device's block further, so the scattered
-            # axes go minor to the axes the dimension is already split by, whatever the mesh
-            # order. (Asked for in mesh order, a dot whose result is split over ``model`` and
-            # partial over ``data`` made into ``('data', 'model')`` is a layout libtpu's dot
-            # handler does not reach by a reduce-scatter: on gpt2-small's tied-embedding gradient
-            # it gathered the 1.5 GiB logits gradient and all-reduced the whole (50304, 768)
-            # gradient instead.) Not on GPU and CPU meshes: there the minor order was not
-            # checked against the GPU compiler, and on CPU devices it led a pipelined MoE plan
-            # to 4x its collectives (benchmarks/RESULTS.md, session 19).
-            return dst_dim, scatter, reduce, tuple(tuple(c) for c in current)
-        current_spec = tuple(tuple(sorted(c, key=self.mesh.axis_names.index)) for c in current)
-        return dst_dim, scatter, reduce, current_spec
+        # A reduce-scatter splits each device's block further, so the scattered axes go minor to
+        # the axes the dimension is already split by, whatever the mesh order: a fact of XLA's SPMD
+        # partitioner on every compiler. Asked for the reduced axis major (a dot whose result is
+        # split over ``model`` and partial over ``fsdp`` pinned to ``('fsdp', 'model')``), its dot
+        # handler gathers the operand's ``model`` split and all-reduces the whole result instead
+        # (compiled on CPU, GPU and TPU: tests/compiler/test_cost.py; libtpu gathered gpt2-small's
+        # 1.5 GiB logits gradient that way). Pinned as made, ``('model', 'fsdp')``, it is one
+        # reduce-scatter, and a reshard to the tensor's own spec where that differs.
+        return dst_dim, scatter, reduce, tuple(tuple(c) for c in current)
 
     def reduce_partial(self, shape: Sequence[int], itemsize: int, produced: Spec,
                        partial: Sequence[str], dst: Spec,
