@@ -207,27 +207,25 @@ def _cmd_plan(args) -> int:
     # The planner applies the policy to every layer class, or with "auto" chooses each class's
     # with the sharding (shardplan.parallel.recompute), as remat= does in Python: the same refusals
     # (offload on a CPU mesh) and the plan says which it applied.
-    print(f"planning {args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat or 'default'}, "
-          f"batch {args.batch}) on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
+    step, call, jit = _step(args)
+    print(f"planning {_described(args)} on {mesh.name} {dict(zip(mesh.axis_names, mesh.axis_sizes))} ...",
           file=sys.stderr, flush=True)
-    step, state, batch = _reference_step(args)
     with _interruptible():
         if search:
-            plan, tried = shardplan.search_mesh(step, state, batch, hardware=mesh,
-                                                memory_budget=args.memory_budget, donate_argnums=(0,),
-                                                time_limit=args.time_limit)
+            plan, tried = shardplan.search_mesh(step, *call, hardware=mesh, memory_budget=args.memory_budget,
+                                                time_limit=args.time_limit, **jit)
             for axes, step_s, secs in tried:
                 shown = "infeasible" if step_s is None else f"{step_s * 1e3:.3f} ms"
                 print(f"mesh shape {axes}: predicted step {shown} (planned in {secs:.1f} s)", file=sys.stderr)
         else:
-            kwargs = dict(memory_budget=args.memory_budget, donate_argnums=(0,), time_limit=args.time_limit,
-                          pipeline=args.pipeline, remat=_remat_for(args.remat), context=args.context)
+            kwargs = dict(memory_budget=args.memory_budget, time_limit=args.time_limit, pipeline=args.pipeline,
+                          remat=_remat_for(args.remat), context=args.context, **jit)
             if args.verify is None:
-                plan = shardplan.plan(step, state, batch, mesh=mesh, **kwargs)
+                plan = shardplan.plan(step, *call, mesh=mesh, **kwargs)
             else:
                 # Planned, compiled for the target and planned again while the program is over budget.
                 f = shardplan.auto(step, mesh=mesh, fit_compiled=target, **kwargs)
-                plan = f.make_plan(state, batch)
+                plan = f.make_plan(*call)
                 _say_verified(f.fit_attempts, mesh, args.memory_budget, target)
     print(plan.explain(max_activations=args.activations))
     if args.json:
@@ -261,12 +259,12 @@ def _cmd_frontier(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'shardplan[bench]'") from None
-    step, state, batch = _reference_step(args)
+    step, call, jit = _step(args)
     with _interruptible():
-        result = shardplan.frontier(step, state, batch, hardware=hardware, devices=args.devices,
+        result = shardplan.frontier(step, *call, hardware=hardware, devices=args.devices,
                                     tokens=args.tokens, prices=prices, memory_budget=args.memory_budget,
                                     shapes=args.shapes, pipeline=args.pipeline, remat=_remat_for(args.remat),
-                                    context=args.context, donate_argnums=(0,), time_limit=args.time_limit)
+                                    context=args.context, time_limit=args.time_limit, **jit)
     print(result.table(every=args.all))
     if args.json:
         _write_atomically(args.json, result.to_json())
@@ -307,29 +305,43 @@ def _cmd_audit(args) -> int:
         print(f"shardplan: error: --target {target}: the {target.upper()} compiler is not installed; "
               "pip install 'shardplan[aot]' (or --target cpu)", file=sys.stderr)
         return 2
-    print(f"planning and compiling {args.model} (batch {args.batch}) for {mesh.name} "
+    step, call, jit = _step(args)
+    print(f"planning and compiling {_described(args)} for {mesh.name} "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} on the {target} compiler ...",
           file=sys.stderr, flush=True)
-    step, state, batch = _reference_step(args)
-    f = shardplan.auto(step, mesh=mesh, memory_budget=args.memory_budget, donate_argnums=(0,),
+    f = shardplan.auto(step, mesh=mesh, memory_budget=args.memory_budget, **jit,
                        time_limit=args.time_limit, pipeline=args.pipeline, remat=_remat_for(args.remat),
                        context=args.context)
     with _interruptible():
-        f.make_plan(state, batch)
+        f.make_plan(*call)
         if f.plan.pipeline is not None:
             print(f"pipeline: {f.plan.pipeline_config().describe()}", file=sys.stderr, flush=True)
-        report = f.audit_for(target, state, batch)
+        report = f.audit_for(target, *call)
     print(report.table())
     return 1 if report.divergences() else 0
 
 
-def _reference_step(args):
-    """``--model``'s train step (``--scan``), its abstract state and a ``--batch`` of abstract inputs."""
+def _step(args):
+    """``(step, its arguments, jax.jit options)``: the user's ``--step`` (:mod:`shardplan.tracing.named_step`),
+    else ``--model``'s train step (``--scan``) on its abstract state and a ``--batch`` of abstract inputs,
+    the state donated."""
+    if args.step is not None:
+        from shardplan.tracing.named_step import load_step
+        named = load_step(args.step)
+        return named.fn, named.args, named.jit
     import jax
 
     from shardplan.models.train import reference
     ref = reference(args.model, scan=args.scan, remat="none")
-    return ref.train_step, jax.eval_shape(ref.init, jax.random.key(0)), ref.batch(args.batch, abstract=True)
+    state = jax.eval_shape(ref.init, jax.random.key(0))
+    return ref.train_step, (state, ref.batch(args.batch, abstract=True)), {"donate_argnums": (0,)}
+
+
+def _described(args) -> str:
+    if args.step is not None:
+        return f"the step of {args.step}"
+    return (f"{args.model} ({'scanned' if args.scan else 'unrolled'} layers, remat {args.remat or 'default'}, "
+            f"batch {args.batch})")
 
 
 def _remat_for(setting: str | None):
@@ -470,6 +482,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--model", default="gpt2-small",
                    help="reference model: gpt-tiny, llama-tiny, mlp-tiny, resnet-tiny, vit-tiny, gpt2-small, "
                         "gpt3-1.3b, llama3-8b, ... (shardplan.models.train.MODEL_CONFIGS)")
+    p.add_argument("--step", default=None, metavar="FILE.py:FUNC",
+                   help="your own step instead of --model: FUNC() returns (step, args) or (step, args, "
+                        "{'donate_argnums': ...}), args abstract or real (docs/cli.md)")
     p.add_argument("--mesh", default="h100-8", help="preset name or mesh file path")
     p.add_argument("--axes", default=None, help="override the logical mesh axes, e.g. data=2,model=4; "
                                                 "'search' tries every data x model shape and keeps the best")
@@ -502,8 +517,8 @@ def _main(argv: list[str]) -> int:
                         "program exceeds the budget")
     a = sub.add_parser("audit", help="plan, compile on fake devices, and hold the prediction against the compiled "
                                      "HLO (exit 1 when a figure diverges)")
-    for flag in ("--model", "--mesh", "--axes", "--batch", "--scan", "--remat", "--context", "--memory-budget",
-                 "--time-limit"):
+    for flag in ("--model", "--step", "--mesh", "--axes", "--batch", "--scan", "--remat", "--context",
+                 "--memory-budget", "--time-limit"):
         action = next(x for x in p._actions if flag in x.option_strings)
         kwargs = dict(default=action.default, help=action.help, choices=action.choices)
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -520,6 +535,7 @@ def _main(argv: list[str]) -> int:
     f = sub.add_parser("frontier", help="plan a reference model on hardware kinds x cluster sizes: the Pareto "
                                          "frontier of time to train against cost")
     f.add_argument("--model", default="gpt2-small", help=p._option_string_actions["--model"].help)
+    f.add_argument("--step", default=None, metavar="FILE.py:FUNC", help=p._option_string_actions["--step"].help)
     f.add_argument("--hardware", default="a100-8,h100-8,h200-8,tpu-v5e-256,tpu-v5p-64",
                    help="comma-separated presets or mesh files (their device, links and devices per node)")
     f.add_argument("--devices", type=_sizes, default=[8, 64, 256, 1024],

@@ -248,3 +248,58 @@ def test_cli_bad_prices_file_is_one_line_naming_the_key(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"shardplan: error: {path}: [hardware.h100-8.per_device_hour] must be a positive number (the "
                    "price of one device for one hour), got 'cheap'")
+
+
+USER_STEP = '''
+import jax, jax.numpy as jnp, optax
+
+def loss(params, batch):
+    h = jnp.tanh(batch["tokens"].astype(jnp.float32) @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+def train_step(state, batch):
+    params, opt = state
+    grads = jax.grad(loss)(params, batch)
+    updates, opt = optax.adam(1e-3).update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), loss(params, batch)
+
+def make():
+    params = {"w1": jax.ShapeDtypeStruct((64, 256), jnp.float32), "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    state = (params, jax.eval_shape(optax.adam(1e-3).init, params))
+    batch = {"tokens": jax.ShapeDtypeStruct((32, 64), jnp.int32)}
+    return train_step, (state, batch), {"donate_argnums": (0,)}
+
+def not_a_step():
+    return 3
+'''
+
+
+def test_cli_frontier_and_plan_take_the_users_own_step_from_a_file(prices, tmp_path, capsys, monkeypatch):
+    # A step written outside the project (plain JAX and optax, state as a tuple), named by --step:
+    # the frontier and the plan are made of it, not of --model's reference model.
+    monkeypatch.setenv("SHARDPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "my_step.py"
+    path.write_text(USER_STEP)
+    assert main(["frontier", "--step", f"{path}:make", "--hardware", "h100-8", "--devices", "8,16",
+                 "--tokens", "1B", "--prices", prices, "--pipeline", "off", "--all"]) == 0
+    out = capsys.readouterr()
+    assert "| h100-8 | 8 |" in out.out and "2,048 tokens a step" in out.out
+    assert main(["plan", "--step", f"{path}:make", "--mesh", "cpu-8", "--time-limit", "1"]) == 0
+    out = capsys.readouterr()
+    assert f"planning the step of {path}:make on cpu-8" in out.err
+    assert "[0][0]['w1']" in out.out and "[1]['tokens']" in out.out       # the file's state and batch
+
+
+@pytest.mark.parametrize("step, match", [
+    ("my_step.py", r"--step 'my_step.py': give FILE.py:FUNCTION or MODULE:FUNCTION"),
+    ("nowhere/my_step.py:make", r"--step 'nowhere/my_step.py:make': no file nowhere/my_step.py$"),
+    ("{path}:missing", r"has no function 'missing'$"),
+    ("{path}:not_a_step", r"not_a_step\(\) returned int; return \(step, args\)"),
+    ("no_such_module_xyz:make", r"no module 'no_such_module_xyz' on the Python path"),
+])
+def test_cli_a_bad_step_is_one_line_and_exit_2(prices, tmp_path, capsys, step, match):
+    path = tmp_path / "my_step.py"
+    path.write_text(USER_STEP)
+    assert main(["plan", "--step", step.format(path=path), "--mesh", "cpu-8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("shardplan: error: ") and re.search(match, err), err
