@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import signal
@@ -16,20 +15,11 @@ import sys
 import tempfile
 import threading
 
+from shardplan.cli.args import fake_cpu_devices, parse_axes
+
 # shardplan.models.layers.REMAT_POLICIES, named here so the CLI parses flags without importing jax (tests/test_cli.py)
 REMAT_CHOICES = ("none", "dots", "offload", "full")
 
-
-def _parse_axes(text: str | None) -> dict[str, int] | None:
-    if not text:
-        return None
-    out = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name or not size.isdigit():
-            raise ValueError(f"--axes {text!r}: write it as name=size,name=size (e.g. data=2,model=4)")
-        out[name.strip()] = int(size)
-    return out
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,18 +162,6 @@ def _interruptible():
         raise KeyboardInterrupt
 
 
-def _fake_cpu_devices(n: int | None) -> None:
-    """Ask for ``n`` fake CPU devices unless XLA_FLAGS already says how many, and keep JAX on its
-    CPU backend unless JAX_PLATFORMS says otherwise (before jax starts its backends): planning
-    runs on fake CPU devices, and the GPU and TPU compilers (``--target``) need no backend of
-    their own, so an installed CUDA plugin must not go looking for a driver."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n is not None and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    if not os.environ.get("JAX_PLATFORMS"):
-        import jax
-        jax.config.update("jax_platforms", "cpu")
-
 
 def _cmd_plan(args) -> int:
     import shardplan
@@ -194,16 +172,12 @@ def _cmd_plan(args) -> int:
     if search and args.remat == "auto":
         raise ValueError("--axes search does not combine with --remat auto; choose the mesh shape first, then "
                          "plan its recomputation")
-    mesh = shardplan.load_mesh(args.mesh, axes=None if search else _parse_axes(args.axes))
+    mesh = shardplan.load_mesh(args.mesh, axes=None if search else parse_axes(args.axes))
     # --verify lays the plan over fake CPU devices to compile it (for any target, as audit does).
-    _fake_cpu_devices(mesh.num_devices if args.verify is not None else None)
-    if args.verify is not None:
-        from shardplan.compiler import targets
-        target = targets.resolve(args.verify, mesh)
-        if not targets.available(target):
-            print(f"shardplan: error: --verify {target}: the {target.upper()} compiler is not installed; "
-                  "pip install 'shardplan[aot]' (or --verify cpu)", file=sys.stderr)
-            return 2
+    fake_cpu_devices(mesh.num_devices if args.verify is not None else None)
+    target = _installed_target("--verify", args.verify, mesh) if args.verify is not None else None
+    if args.verify is not None and target is None:
+        return 2
     # The planner applies the policy to every layer class, or with "auto" chooses each class's
     # with the sharding (shardplan.parallel.recompute), as remat= does in Python: the same refusals
     # (offload on a CPU mesh) and the plan says which it applied.
@@ -295,15 +269,12 @@ def _say_verified(attempts, mesh, memory_budget, target: str) -> None:
 
 def _cmd_audit(args) -> int:
     import shardplan
-    mesh = shardplan.load_mesh(args.mesh, axes=_parse_axes(args.axes))
-    _fake_cpu_devices(mesh.num_devices)      # for planning (and the cpu target's compile)
+    mesh = shardplan.load_mesh(args.mesh, axes=parse_axes(args.axes))
+    fake_cpu_devices(mesh.num_devices)      # for planning (and the cpu target's compile)
     # The GPU and TPU compilers run without a device: JAX's own backend stays on the CPU (set
     # above, before jax is imported), so that the CUDA plugin does not look for a driver.
-    from shardplan.compiler import targets
-    target = targets.resolve(args.target, mesh)
-    if not targets.available(target):
-        print(f"shardplan: error: --target {target}: the {target.upper()} compiler is not installed; "
-              "pip install 'shardplan[aot]' (or --target cpu)", file=sys.stderr)
+    target = _installed_target("--target", args.target, mesh)
+    if target is None:
         return 2
     step, call, jit = _step(args)
     print(f"planning and compiling {_described(args)} for {mesh.name} "
@@ -319,6 +290,18 @@ def _cmd_audit(args) -> int:
         report = f.audit_for(target, *call)
     print(report.table())
     return 1 if report.divergences() else 0
+
+
+def _installed_target(flag: str, setting: str, mesh) -> str | None:
+    """The compiler ``flag`` names for ``mesh`` ("auto": the mesh's own where installed); ``None``
+    after one line on stderr where it is not installed."""
+    from shardplan.compiler import targets
+    target = targets.resolve(setting, mesh)
+    if targets.available(target):
+        return target
+    print(f"shardplan: error: {flag} {target}: the {target.upper()} compiler is not installed; pip install "
+          f"'shardplan[aot]' (or {flag} cpu)", file=sys.stderr)
+    return None
 
 
 def _step(args):
@@ -349,97 +332,6 @@ def _remat_for(setting: str | None):
     unset, the default (searched where the step as written does not fit: shardplan.parallel.defaults)."""
     return "off" if setting in ("none", "off") else setting
 
-
-def _cmd_mesh(args, extra: list[str]) -> int:
-    import shardplan
-    from shardplan.compiler.cost import ALL_REDUCE, Comm, CostModel
-    if args.mesh_cmd == "list":
-        for name in shardplan.preset_names():
-            m = shardplan.load_mesh(name)
-            print(f"{name:<12} {m.num_devices:>5} x {m.device.name:<26} axes {dict(zip(m.axis_names, m.axis_sizes))}")
-        return 0
-    if args.mesh_cmd == "validate":
-        try:
-            m = shardplan.load_mesh(args.path)
-        except shardplan.MeshConfigError as e:    # every problem of the file, one line each
-            for line in getattr(e, "problems", None) or [str(e)]:
-                print(f"shardplan: error: {line}", file=sys.stderr)
-            return 2
-        print(f"{args.path}: valid: {m.name}, {m.num_devices} x {m.device.name}, "
-              f"axes {dict(zip(m.axis_names, m.axis_sizes))}")
-        return 0
-    if args.mesh_cmd == "new":
-        return _mesh_new(args, extra)
-    if args.mesh_cmd == "calibrate":
-        return _mesh_calibrate(args)
-    m = shardplan.load_mesh(args.name)
-    model = CostModel(m)
-    nodes = m.num_devices // m.devices_per_node
-    cut = m.inter_node_link if nodes > 1 else m.intra_node_link
-    print(json.dumps({"name": m.name, "device": m.device.name, "peak_flops": dict(m.device.peak_flops),
-                      "hbm_bytes": m.device.hbm_bytes, "hbm_bandwidth": m.device.hbm_bandwidth,
-                      "heap_overhead": m.device.heap_overhead, "usable_bytes": m.device.usable_bytes,
-                      "allocator_fraction": m.device.allocator_fraction,
-                      "default_memory_budget": m.device.budget_bytes, "devices": m.num_devices,
-                      "devices_per_node": m.devices_per_node, "nodes": nodes,
-                      "bisection_bandwidth": m.num_devices / 2 * cut.bandwidth,
-                      "axes": [{"name": a.name, "size": a.size, "link": a.link.name, "bandwidth": a.link.bandwidth,
-                                "latency": a.link.latency,
-                                "all_reduce_1GiB_s": model.collective_time(Comm(ALL_REDUCE, (a.name,), 2**30))}
-                               for a in m.axes], "source": m.source}, indent=1))
-    return 0
-
-
-def _mesh_calibrate(args) -> int:
-    _fake_cpu_devices(args.cpu_devices)      # CPU: fake devices to measure collectives on
-    import jax
-
-    from shardplan.devices.calibrate import calibrate
-    from shardplan.devices.mesh import write_mesh
-    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
-    if any(given) and not all(given):
-        raise ValueError("--coordinator, --num-processes and --process-id go together: give all three "
-                         "(e.g. --coordinator host0:1234 --num-processes 2 --process-id 0), or none")
-    if all(given):
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-    quick = dict(matmul_sizes=(128, 256), copy_bytes=8 * 2**20, collective_bytes=(2**12, 2**16, 2**20), repeats=2) \
-        if args.quick else {}
-    spec = calibrate(base=args.base, axes=_parse_axes(args.axes), name=args.name, **quick)
-    if jax.process_index() != 0:       # every process measured; process 0 writes and says so
-        return 0
-    write_mesh(spec, args.out)
-    flops = ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in spec.device.peak_flops.items())
-    print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}; {flops}; memory "
-          f"{spec.device.hbm_bandwidth / 1e9:.1f} GB/s; " + "; ".join(
-              f"{a.name}: {a.link.bandwidth / 1e9:.2f} GB/s, {a.link.latency * 1e6:.1f} us" for a in spec.axes),
-          file=sys.stderr)
-    return 0
-
-
-def _mesh_new(args, extra: list[str]) -> int:
-    import re
-
-    from shardplan.devices.cluster import cluster_mesh
-    from shardplan.devices.mesh import write_mesh
-    ici, dcn = {}, {}
-    it = iter(extra)
-    for flag in it:
-        match = re.fullmatch(r"--(ici|dcn)-(\w+)", flag)
-        value = next(it, None)
-        if not match or value is None or not re.fullmatch(r"-1|\d+", value):
-            raise ValueError(f"unexpected argument {flag!r}{'' if value is None else ' ' + value}: write "
-                             "parallelism as --ici-AXIS N and --dcn-AXIS N (N a positive integer or -1)")
-        (ici if match.group(1) == "ici" else dcn)[match.group(2)] = int(value)
-    if not ici and not dcn:
-        raise ValueError("give the logical axes as --ici-AXIS N (inside a node) and --dcn-AXIS N (across nodes), "
-                         "e.g. --ici-data 2 --ici-model 4 --dcn-data 2")
-    spec = cluster_mesh(args.hardware, ici, dcn, nodes=args.nodes, devices_per_node=args.devices_per_node,
-                        name=args.name)
-    write_mesh(spec, args.out)
-    axes = dict(zip(spec.axis_names, spec.axis_sizes))
-    print(f"wrote {args.out}: {spec.num_devices} x {spec.device.name}, axes {axes}, "
-          f"links {[a.link.name for a in spec.axes]}", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -597,7 +489,8 @@ def _main(argv: list[str]) -> int:
     from shardplan.errors import ShardplanError
     try:
         if args.cmd == "mesh":
-            return _cmd_mesh(args, extra)
+            from shardplan.cli.mesh import command
+            return command(args, extra)
         return {"plan": _cmd_plan, "audit": _cmd_audit, "frontier": _cmd_frontier}[args.cmd](args)
     except BrokenPipeError:
         raise                   # its reader has gone (| head): run() ends quietly
@@ -610,7 +503,3 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"shardplan: error: the compiler refused the program: {str(e).splitlines()[0][:400]}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    run()

@@ -1,0 +1,5 @@
+"""``python -m shardplan.cli``: the ``shardplan`` command."""
+
+from shardplan.cli import run
+
+run()
