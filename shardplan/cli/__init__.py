@@ -21,7 +21,6 @@ from shardplan.cli.args import fake_cpu_devices, parse_axes
 REMAT_CHOICES = ("none", "dots", "offload", "full")
 
 
-
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's error style: one line on stderr and exit 2, no usage block."""
 

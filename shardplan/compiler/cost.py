@@ -335,7 +335,7 @@ class CostModel:
         # partitioner on every compiler. Asked for the reduced axis major (a dot whose result is
         # split over ``model`` and partial over ``fsdp`` pinned to ``('fsdp', 'model')``), its dot
         # handler gathers the operand's ``model`` split and all-reduces the whole result instead
-        # (compiled on CPU, GPU and TPU: tests/compiler/test_cost.py; libtpu gathered gpt2-small's
+        # (the CPU and GPU compilers: tests/compiler/test_cost.py; libtpu gathered gpt2-small's
         # 1.5 GiB logits gradient that way). Pinned as made, ``('model', 'fsdp')``, it is one
         # reduce-scatter, and a reshard to the tensor's own spec where that differs.
         return dst_dim, scatter, reduce, tuple(tuple(c) for c in current)

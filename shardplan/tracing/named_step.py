@@ -38,7 +38,6 @@ class NamedStep:
     fn: Callable
     args: tuple
     jit: dict                   # jax.jit options: donate_argnums, static_argnums
-    name: str                   # as given on the command line
 
 
 def load_step(reference: str) -> NamedStep:
@@ -65,7 +64,7 @@ def load_step(reference: str) -> NamedStep:
     if not isinstance(jit, dict) or set(jit) - set(JIT_OPTIONS):
         unknown = sorted(set(jit) - set(JIT_OPTIONS)) if isinstance(jit, dict) else jit
         raise StepError(f"--step {reference!r}: its jit options {unknown!r} are not among {', '.join(JIT_OPTIONS)}")
-    return NamedStep(fn, tuple(args), dict(jit), reference)
+    return NamedStep(fn, tuple(args), dict(jit))
 
 
 def _module(where: str, reference: str):
@@ -76,11 +75,12 @@ def _module(where: str, reference: str):
         spec = importlib.util.spec_from_file_location(name, where)
         module = importlib.util.module_from_spec(spec)
         # Its own directory first, as `python FILE.py` would have it: its sibling modules import.
-        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        folder = os.path.dirname(os.path.abspath(where))
+        sys.path.insert(0, folder)
         try:
             spec.loader.exec_module(module)
         finally:
-            sys.path.pop(0)
+            sys.path.remove(folder)
         return module
     try:
         return importlib.import_module(where)
