@@ -331,7 +331,7 @@ def peak(g, level: Level, exclude: set[int], *,
     return best
 
 
-def live_sets(g, level: Level, *, host: bool = False):
+def live_sets(g, level: Level, *, host: bool = False, indexed: bool = False):
     """``(live, running, held, combining)`` at each point of the level's schedule: the tensors in
     device memory (host-offloaded ones apart, where the target holds them apart:
     :attr:`~shardplan.ir.graph.Graph.host_apart`; with ``host``, those in host memory instead), the
@@ -339,7 +339,8 @@ def live_sets(g, level: Level, *, host: bool = False):
     results of matmuls run earlier whose partial sums wait there for the kernel that sums them
     (:func:`summing_kernels`), where that kernel reads another matmul too, and the matmul results
     whose partial sums wait there for the reductions that feed one combined collective
-    (:func:`combined_matmuls`)."""
+    (:func:`combined_matmuls`). With ``indexed``, each point carries its eqn's index in the level's
+    schedule as a fifth element."""
     live: set[int] = set()
     inner = level.inner_host if host else level.inner_peak
     # Split-K partial sums are device memory, on NVIDIA GPUs only.
@@ -354,10 +355,11 @@ def live_sets(g, level: Level, *, host: bool = False):
         held = [t for t in live if t not in defined and t in waiting]
         combining = [t for t in group if t not in defined] if i == last else []
         here = sorted(live)
+        at = (i,) if indexed else ()
         yield (here + inner.get(i, []), list(defined) + level.inner_running.get(i, []),
-               held + level.inner_held.get(i, []), combining + level.inner_combining.get(i, []))
+               held + level.inner_held.get(i, []), combining + level.inner_combining.get(i, []), *at)
         for alt in ([] if host else level.inner_alts.get(i, [])):
-            yield here + alt[0], list(defined) + alt[1], held + alt[2], combining + alt[3]
+            yield (here + alt[0], list(defined) + alt[1], held + alt[2], combining + alt[3], *at)
         live = {t for t in live if level.last_use.get(t, -1) > i}
 
 
@@ -451,14 +453,16 @@ def _waiting(g, level: Level) -> set[int]:
     return {t for t, ks in kernels.items() if ks and any(count[k] > 1 for k in ks)}
 
 
-def checkpoints(g, level: Level, always: set[int], num_points: int, *,
-                host: bool = False) -> list[tuple[list[int], list[int], list[int], list[int]]]:
+def checkpoints(g, level: Level, always: set[int], num_points: int, *, host: bool = False,
+                also: frozenset[int] = frozenset()) -> list[tuple[list[int], list[int], list[int], list[int], int]]:
     """The ``num_points`` fullest distinct live sets of the top level (``always``: the arguments
     and constants, counted apart), fullest first (``host``: of host memory), each with the results
-    of the ops running there and the matmul results held there (:func:`live_sets`), and the
-    fullest point where partial sums wait for a combined collective, if none of those is one."""
+    of the ops running there, the matmul results held there (:func:`live_sets`) and its index in
+    the schedule, and the fullest point where partial sums wait for a combined collective, if none
+    of those is one; and the points at the schedule's indices ``also`` (where what the plan holds
+    beyond its tensors peaks: :mod:`shardplan.compiler.held`)."""
     scored = []
-    for live, *rest in live_sets(g, level, host=host):
+    for live, *rest in live_sets(g, level, host=host, indexed=True):
         live = [t for t in live if t not in always]
         scored.append((sum(g.tensors[t].nbytes for t in live), live, rest))
     scored.sort(key=lambda x: -x[0])
@@ -474,7 +478,9 @@ def checkpoints(g, level: Level, always: set[int], num_points: int, *,
     # the plan, unseen in this ranking) is weighed too.
     if not any(p[3] for p in points):
         points += [(live, *rest) for _, live, rest in scored if rest[2]][:1]
-    return points or [([], [], [], [])]
+    have = {p[4] for p in points}
+    points += [(live, *rest) for _, live, rest in scored if rest[3] in also and rest[3] not in have][:len(also)]
+    return points or [([], [], [], [], 0)]
 
 
 def multi_output_kernels(g, level: Level) -> int:

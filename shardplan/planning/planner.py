@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import time
 import warnings
 from collections.abc import Sequence
 
 from shardplan.compiler.cost import COLLECTIVE_KINDS, Spec, shared_model
+from shardplan.compiler.held import held_bytes
 from shardplan.compiler.pricing import Analyses, dot_specs
 from shardplan.compiler.targets import compiler_kind
 from shardplan.devices.mesh import MeshSpec
@@ -20,7 +22,7 @@ from shardplan.sharding.rules import apply_rule
 from shardplan.sharding.strategies import Enumerator
 from shardplan.solve.exact import lagrangian_start, lower_bound, restricted_of, solve_by_axis_blocks, solve_exact
 from shardplan.solve.simplify import eliminate_dead_ends, expand, simplify
-from shardplan.solve.solver import Solution, SolverStats, greedy, peak_memory, solve, total_cost
+from shardplan.solve.solver import Solution, SolverStats, greedy, peak_memory, point_memory, solve, total_cost
 from shardplan.solve.tying import tie, untie
 from shardplan.tracing.manual import body_costs
 from shardplan.tracing.walk import build_graph
@@ -110,23 +112,66 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         return plan.cost.step_s >= beat
 
     with Status() as line:       # ended whatever happens: an error never lands on it
-        # Without the memory constraint first: if that optimum fits, it is the constrained optimum too.
-        # Memory plays no part there, so far more options are dead ends than under a budget.
-        try:
+        # The ILP's checkpoints leave out the resharded copies and waiting partial sums a plan
+        # holds (their bytes depend on pairs of choices: compiler/held.py); where they put the plan
+        # over the budget, it is solved again under a lower one, a few times at most.
+        def solve_under(ilp_budget):
+            # Without the memory constraint first: if that optimum fits, it is the constrained optimum
+            # too. Memory plays no part there, so far more options are dead ends than under a budget.
             if _wide(enum):
-                problem, sol, bound = _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted, beat)
-                choice = sol.choice
-            else:
-                problem, sol, choice, bound = _solve_built(enum.build(), budget_bytes, options, line, graph, enum,
-                                                           unwanted)
+                problem, sol, bound = _solve_by_axes(enum, ilp_budget, options, line, graph, unwanted, beat)
+                return problem, sol, sol.choice, bound
+            return _solve_built(enum.build(), ilp_budget, options, line, graph, enum, unwanted)
+
+        least = math.inf           # the leanest plan's memory seen
+
+        def attempt(ilp_budget):
+            """The plan solved under ``ilp_budget`` on the ILP's own memory, and whether it is the
+            one to return (it fits with what it holds, or is no plan the search wants)."""
+            nonlocal least
+            problem, sol, choice, bound = solve_under(ilp_budget)
+            stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
+            plan = dataclasses.replace(made[tuple(choice)], solver=stats) if tuple(choice) in made else \
+                _make_plan(graph, enum, problem, choice, stats, mesh, in_tree, out_tree, out_names)
+            least = min(least, plan.cost.memory_bytes)
+            return plan, (plan.cost.memory_bytes <= budget_bytes or stats.status.startswith("NOT_SOLVED")
+                          or plan.cost.step_s >= beat)
+
+        def failed(e: InfeasibleBudgetError):
+            need = ("" if e.min_feasible_bytes is None
+                    else f": needs about {e.min_feasible_bytes / 2**30:.2f} GiB a device")
+            line.done(f"no plan fits the budget of {e.budget_bytes / 2**30:.2f} GiB{need}")
+            return e
+
+        try:
+            plan, done = attempt(budget_bytes)
         except InfeasibleBudgetError as e:
-            least = ("" if e.min_feasible_bytes is None
-                     else f": needs at least {e.min_feasible_bytes / 2**30:.2f} GiB a device")
-            line.done(f"no plan fits the budget of {e.budget_bytes / 2**30:.2f} GiB{least}")
-            raise
-        stats = dataclasses.replace(sol.stats, wall_time=time.perf_counter() - start, memory_bound=bound)
-        plan = dataclasses.replace(made[tuple(choice)], solver=stats) if tuple(choice) in made else \
-            _make_plan(graph, enum, problem, choice, stats, mesh, in_tree, out_tree, out_names)
+            raise failed(_leanest(e, solve_under, lambda p, c: _memory(graph, enum, p, c))) from None
+        ilp_budget, lean = budget_bytes, None
+        for _ in range(_HELD_ROUNDS):
+            if done:
+                break
+            over = plan.cost.memory_bytes - budget_bytes
+            # A leaner ILP optimum may hold more than the one before (no monotone path): lower by
+            # the excess and at least by a third, then, from the ILP's leanest, a few steps down.
+            if lean is None:
+                ilp_budget = min(ilp_budget - over, 0.7 * ilp_budget)
+            else:
+                ilp_budget = lean + 0.5 * (ilp_budget - lean)
+            line.say(f"what the plan holds beyond its tensors (resharded copies, waiting partial sums) puts it "
+                     f"{format_bytes(over)} over the budget: solving again under {format_bytes(ilp_budget)}")
+            try:
+                plan, done = attempt(ilp_budget)
+            except InfeasibleBudgetError as e:
+                if lean is not None or getattr(e, "ilp_bytes", None) is None:
+                    raise failed(_with_held(e, budget_bytes, budget_bytes - ilp_budget, least)) from None
+                lean = e.ilp_bytes
+                ilp_budget = budget_bytes
+        if not done:
+            raise failed(_with_held(InfeasibleBudgetError("", budget_bytes=budget_bytes, min_feasible_bytes=None,
+                                                          largest_tensors=[], floor_bytes=None),
+                                    budget_bytes, 0, least, graph=graph, enum=enum)) from None
+        stats = plan.solver
         # The plan's step: the objective and what no choice changes (shard_map bodies).
         if stats.status.startswith("NOT_SOLVED"):
             line.done(f"not planned: every plan takes at least {stats.bound * 1e3:.3f} ms, no faster than the best so "
@@ -135,6 +180,53 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
             line.done(f"planned: {stats.status}, predicted step {plan.cost.step_s * 1e3:.3f} ms, gap {stats.gap:.2%}, "
                       f"{stats.wall_time:.1f} s")
     return plan, graph
+
+
+# Solves at most, where what a plan holds beyond its tensors (compiler/held.py) puts it over the budget.
+_HELD_ROUNDS = 6
+
+
+def _with_held(e: InfeasibleBudgetError, budget_bytes: int, held: float, least: float = math.inf, graph=None,
+               enum=None):
+    """``e`` (raised under a budget lowered by ``held`` bytes, what a plan held beyond its tensors
+    over it: compiler/held.py) restated for the budget the user gave: the smallest budget that
+    works gains them, or is the leanest plan's seen (``least``)."""
+    need = min(math.inf if e.min_feasible_bytes is None else e.min_feasible_bytes + held, least)
+    need = None if need == math.inf else int(need)
+    largest = e.largest_tensors
+    if graph is not None and not largest:
+        largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
+                         key=lambda x: -x[1])[:5]
+    where = "" if enum is None else f" on mesh {enum.m.mesh.name} {dict(zip(enum.axes, enum.sizes))}"
+    listing = ", ".join(f"{n} ({format_bytes(b)})" for n, b in largest)
+    return InfeasibleBudgetError(
+        f"no plan fits memory_budget={format_bytes(budget_bytes)} per device{where} with the resharded matmul "
+        f"operands and waiting partial sums it holds; the smallest budget that works is about "
+        f"{format_bytes(need or 0)}. Largest inputs: {listing}. Raise the budget, use more devices, or shrink the "
+        "batch.",
+        budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest, floor_bytes=e.floor_bytes)
+
+
+def _leanest(e: InfeasibleBudgetError, solve_under, memory_of) -> InfeasibleBudgetError:
+    """``e``, with the smallest budget that works found again where what the leanest plan of the
+    ILP holds beyond its tensors (compiler/held.py) makes it no longer the leanest: the plans
+    under a few budgets between the ILP's leanest and that plan's memory are made, and the
+    leanest of them gives the figure."""
+    ilp, need = getattr(e, "ilp_bytes", None), e.min_feasible_bytes
+    if ilp is None or need is None or need <= ilp * 1.01:
+        return e
+    least = float(need)
+    for f in (0.25, 0.5, 0.75):
+        try:
+            problem, _, choice, _ = solve_under(ilp + f * (need - ilp))
+        except InfeasibleBudgetError:
+            continue
+        least = min(least, memory_of(problem, choice))
+    e.min_feasible_bytes = int(least)
+    e.args = (re.sub(r"the smallest budget that works is about .+?\. Largest inputs",
+                     f"the smallest budget that works is about {format_bytes(least)}. Largest inputs", e.args[0],
+                     count=1),)
+    return e
 
 
 # Table cells past which a mesh of three or more axes is searched a few options at a time
@@ -187,7 +279,8 @@ def _solve_by_axes(enum, budget_bytes, options, line, graph, unwanted=lambda pro
     lean = solve(lean_problem, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
                  status_line=line)
     if lean is None or peak_memory(lean_problem, lean.choice) > budget_bytes:
-        _raise_infeasible(graph, enum, lean_problem, budget_bytes, lean)
+        whole = None if lean is None else _memory(graph, enum, nodes, untie(tied, lean.choice) if tied else lean.choice)
+        _raise_infeasible(graph, enum, lean_problem, budget_bytes, lean, whole)
     line.say(f"solving under the memory budget {format_bytes(budget_bytes)}, by mesh axes")
     return nodes, search(untie(tied, lean.choice) if tied else lean.choice, budget_bytes=budget_bytes,
                          time_limit=options.time_limit, relative_gap=options.relative_gap), True
@@ -236,7 +329,8 @@ def _solve_built(problem, budget_bytes, options, line, graph, enum, unwanted=lam
             lean = solve(bounded, budget_bytes=None, time_limit=options.time_limit, minimize_memory=True,
                          status_line=line)
             if lean is None or peak_memory(bounded, lean.choice) > budget_bytes:
-                _raise_infeasible(graph, enum, bounded, budget_bytes, lean)
+                whole = None if lean is None else _memory(graph, enum, problem, full_choice(lean, keep))
+                _raise_infeasible(graph, enum, bounded, budget_bytes, lean, whole)
             sol = _from_leanest(bounded, lean, budget_bytes, options)
         choice = full_choice(sol, keep)
     return problem, sol, choice, bound
@@ -285,22 +379,25 @@ def _memory_floor(problem):
     return problem.base_memory + sum(n.memory.min(axis=1) for n in problem.nodes)
 
 
-def _raise_infeasible(graph, enum, problem, budget_bytes, lean):
-    """``lean``: the least-memory solution of ``problem`` (``None`` if none was found in time)."""
+def _raise_infeasible(graph, enum, problem, budget_bytes, lean, lean_memory=None):
+    """``lean``: the least-memory solution of ``problem`` (``None`` if none was found in time);
+    ``lean_memory``: its predicted memory, with what it holds beyond its tensors (compiler/held.py)."""
     if lean is not None:
-        need, how = int(lean.stats.objective), "about"
+        need, how = int(max(lean.stats.objective, lean_memory or 0.0)), "about"
     else:
         need, how = int(_memory_floor(problem).max()), "at least"
     largest = sorted(((graph.tensors[t].name, graph.tensors[t].nbytes) for t in graph.inputs),
                      key=lambda x: -x[1])[:5]
     listing = ", ".join(f"{n} ({format_bytes(b)})" for n, b in largest)
-    raise InfeasibleBudgetError(
+    e = InfeasibleBudgetError(
         f"no plan fits memory_budget={format_bytes(budget_bytes)} per device on mesh "
         f"{enum.m.mesh.name} {dict(zip(enum.axes, enum.sizes))}; the smallest budget that works is "
         f"{how} {format_bytes(need)}. Largest inputs: {listing}. Raise the "
         f"budget, use more devices, or shrink the batch.",
         budget_bytes=budget_bytes, min_feasible_bytes=need, largest_tensors=largest,
         floor_bytes=int(sum(graph.tensors[t].nbytes for t in graph.inputs) / math.prod(enum.sizes)))
+    e.ilp_bytes = None if lean is None else float(lean.stats.objective)   # the ILP's own figure
+    raise e
 
 
 def _short(source: str) -> str:
@@ -342,9 +439,8 @@ def _reassociated(graph: Graph, all_reduced: dict[int, list], account) -> None:
                 all_reduced[t.id] = [ra]
 
 
-def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
-               in_tree, out_tree, out_names=None) -> Plan:
-    model = enum.m
+def _specs(graph: Graph, enum: Enumerator, problem, choice) -> dict[int, Spec]:
+    """Every tensor's PartitionSpec under ``choice``."""
     spec_of: dict[int, Spec] = {}
     for node, i in zip(problem.nodes, choice):
         if node.kind == "group":
@@ -352,6 +448,25 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
                 spec_of[t] = enum.tensor_spec_from(graph, t, node.options[i])
     for t in graph.tensors:
         spec_of.setdefault(t.id, ((),) * t.rank)
+    return spec_of
+
+
+def _memory(graph: Graph, enum: Enumerator, problem, choice, spec_of=None) -> float:
+    """The predicted memory per device of ``choice``: the ILP's checkpoints, with what the plan
+    holds there beyond its tensors (compiler/held.py)."""
+    totals = point_memory(problem, choice)
+    if not totals.size:
+        return 0.0
+    spec_of = spec_of if spec_of is not None else _specs(graph, enum, problem, choice)
+    node = problem.node_of_dot
+    totals = totals + held_bytes(graph, enum.price, spec_of, lambda k: problem.nodes[node[k]].options[choice[node[k]]])
+    return float(totals.max())
+
+
+def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverStats, mesh: MeshSpec,
+               in_tree, out_tree, out_names=None) -> Plan:
+    model = enum.m
+    spec_of = _specs(graph, enum, problem, choice)
 
     cost_of = {t.id: 0.0 for t in graph.tensors}
     by_kind = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
@@ -527,8 +642,9 @@ def _make_plan(graph: Graph, enum: Enumerator, problem, choice, stats: SolverSta
     seen = set(graph.inputs) | {t for t in graph.outputs if t is not None}
     acts = tuple(row(t.id, "activation", f"{t.name} @ {_short(t.source)}" if _short(t.source) else t.name)
                  for t in graph.tensors if t.rank and t.id not in seen)
+    memory = _memory(graph, enum, problem, choice, spec_of)
     cost = PredictedCost(compute_s=compute, comm_s_by_kind=by_kind, comm_s_by_axis=by_axis,
-                         comm_bytes_by_kind=bytes_by_kind, memory_bytes=peak_memory(problem, choice),
+                         comm_bytes_by_kind=bytes_by_kind, memory_bytes=memory,
                          memory_bytes_by_role=by_role, comm_bytes_by_axis=bytes_by_axis, input_s=loading,
                          offload_s=offload_s, offload_bytes=offload_bytes,
                          tuple_slots=enum.price.a.tuple_slots)

@@ -282,11 +282,17 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
         self.line.say(f"solving: best plan {obj * 1e3:.3f} ms, bound {bound * 1e3:.3f} ms, gap {gap:.1%}")
 
 
-def peak_memory(problem: Problem, choice: list[int]) -> float:
-    """Bytes per device at the fullest checkpoint for one assignment."""
+def point_memory(problem: Problem, choice: list[int]) -> np.ndarray:
+    """Bytes per device at each memory checkpoint for one assignment."""
     totals = problem.base_memory.copy()
     for node, i in zip(problem.nodes, choice):
         totals = totals + node.memory[:, i]
+    return totals
+
+
+def peak_memory(problem: Problem, choice: list[int]) -> float:
+    """Bytes per device at the fullest checkpoint for one assignment."""
+    totals = point_memory(problem, choice)
     return float(totals.max()) if totals.size else 0.0
 
 

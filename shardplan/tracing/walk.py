@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
+from shardplan.compiler.combine import feeds_update
 from shardplan.compiler.liveness import IN_PLACE, Level, checkpoints, combining_point, fuse, multi_output_kernels, peak
 from shardplan.errors import ShardplanError
 from shardplan.ir.graph import Graph
@@ -342,9 +343,17 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
         if b is not None and g.tensors[a].shape == g.tensors[b].shape:
             g.union(a, b)
     g.donated_outputs = _donated_outputs(g, donated)
-    points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points)
+    # Where the top-level gradients' combined collective runs, their partial sums wait
+    # (compiler/held.py): that point is weighed too.
+    scheduled = {t: i for i, ts in enumerate(level.defined) for t in ts}
+    waiting = [scheduled[d.out] for d in g.dots
+               if d.out in scheduled and not g.loop_of[d.out] and feeds_update(g, d.out)]
+    points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points,
+                         also=frozenset([max(waiting)] if waiting else []))
     g.points = [live for live, *_ in points]
     g.running, g.held, g.combining = ([set(p[k]) for p in points] for k in (1, 2, 3))
+    g.point_index = [p[4] for p in points]
+    g.scheduled = scheduled
     if g.host_apart:
         g.host_points = [p for p, *_ in checkpoints(g, level, set(consts + ins), num_points, host=True) if p]
     return g

@@ -90,9 +90,13 @@ def test_unrolled_layers_are_not_pipelined_and_the_error_says_why(name):
 
 def test_unrolled_layers_recompute_what_the_step_keeps_less_of():
     us = scan_steps.build("jax_unrolled_gpt")
-    kept = {p: shardplan.plan(us.fn, *us.args, mesh=_mesh(), remat=p, cache=False, **us.jit).cost.memory_bytes
-            for p in ("none", "full")}
-    assert kept["full"] < kept["none"]
+    plans = {p: shardplan.plan(us.fn, *us.args, mesh=_mesh(), remat=p, cache=False, **us.jit) for p in ("none", "full")}
+    assert plans["full"].remat["sites"] and {s["policy"] for s in plans["full"].remat["sites"]} == {"full"}
+    # Recomputed, the layers keep less from the forward pass to the backward. This small step's
+    # fullest point is later, where its gradients wait whole for their one combined all-reduce
+    # (compiler/held.py), which recomputation leaves as it is: the CPU compiler's programs hold
+    # 1,090,160 and 1,086,192 bytes.
+    assert plans["full"].cost.memory_bytes <= plans["none"].cost.memory_bytes
 
 
 def test_a_scan_whose_carry_is_not_the_activation_is_named_and_planned_without_a_pipeline():
