@@ -44,11 +44,11 @@ def test_a_saved_plan_runs_in_a_fresh_process_without_the_solver(saved):
     path, _, losses = saved
     script = textwrap.dedent(f"""
         import json, jax, shardplan
-        from shardplan.planning import planner
+        from shardplan.planning import planner, solving
         from shardplan.solve import solver, exact
         def refuse(*a, **k):
             raise AssertionError("the solver was called")
-        planner.plan_jaxpr = planner.solve = planner.solve_exact = planner._solve_wide = refuse
+        planner.plan_jaxpr = solving.solve = solving.solve_exact = solving._solve_wide = refuse
         solver.solve = exact.solve_exact = refuse
         from shardplan.models.train import reference
         ref = reference("gpt-tiny", scan=True)
