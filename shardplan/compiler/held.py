@@ -93,35 +93,39 @@ def _partials(g, price, spec_of, dot_option, index, heap) -> np.ndarray:
     for k, dot in enumerate(g.dots):
         t = dot.out
         at = g.scheduled.get(t)
-        if g.loop_of[t] or at is None or t not in price.a.combined or t in g.fused:
+        if g.loop_of[t] or at is None or t not in g.combined or t in g.fused:
             continue
         _, _, prod, partial, _ = dot_specs(dot, dot_option(k))
         if not partial:
             continue
         itemsize, minor = price.stored_as(t)
-        whole = price.m.memory_bytes(g.tensors[t].shape, itemsize, prod, minor)
-        reduced = price.stored_bytes(t, spec_of[t])
-        kind = "all-reduce" if reduced >= whole else "reduce-scatter"
-        waiting.append((at, (kind, tuple(sorted(partial))), whole, reduced, t))
-    # Each combiner merges its collectives in schedule order up to the threshold.
+        shape = g.tensors[t].shape
+        whole = price.m.memory_bytes(shape, itemsize, prod, minor)
+        # Reduced as the plan pins it (CostModel.reduced_spec): scattered over the partial axes
+        # the tensor's own spec splits (a reduce-scatter), summed whole over the rest.
+        made = price.m.reduced_spec(prod, partial, spec_of[t])
+        reduced = price.m.memory_bytes(shape, itemsize, made, minor)
+        kind = "all-reduce" if made == prod else "reduce-scatter"
+        waiting.append((at, (kind, tuple(sorted(partial))), whole, reduced, price.stored_bytes(t, spec_of[t]), t))
+    # Each combiner merges its collectives in schedule order up to the threshold (on the
+    # collective's result).
     groups: dict[tuple, list[list]] = {}
-    for at, key, whole, reduced, t in sorted(waiting, key=lambda w: w[0]):
+    for at, key, whole, reduced, own, t in sorted(waiting, key=lambda w: w[0]):
         runs = groups.setdefault(key, [[]])
-        size = (whole if key[0] == "all-reduce" else reduced)
-        if runs[-1] and sum(m[1] for m in runs[-1]) + size > COMBINE_THRESHOLD:
+        if runs[-1] and sum(m[2] for m in runs[-1]) + reduced > COMBINE_THRESHOLD:
             runs.append([])
-        runs[-1].append((at, size, whole, reduced, t))
+        runs[-1].append((at, whole, reduced, own, t))
     for runs in groups.values():
         for run in runs:
             if len(run) < 2:
                 continue
             end = max(m[0] for m in run)          # the collective runs after the last of them
-            for at, _, whole, reduced, t in run:
-                # From its matmul to the collective the partial sum is held, not the reduced
-                # result the tensor's own spec counts; at the collective, both.
+            for at, whole, reduced, own, t in run:
+                # From its matmul to the collective the partial sum is held, not the tensor at
+                # its own spec that the checkpoints count; at the collective, both.
                 for p, live in enumerate(g.points):
                     if at <= index[p] <= end:
                         out[p] += _heap(price, whole, heap)
                         if index[p] < end and t in live:
-                            out[p] -= _heap(price, reduced, heap)
+                            out[p] -= _heap(price, own, heap)
     return out

@@ -11,7 +11,6 @@ import math
 
 from shardplan.compiler import splitk
 from shardplan.compiler.bf16_pass import LAYOUT, read_as_bf16
-from shardplan.compiler.combine import combined_reductions
 from shardplan.compiler.cost import COLLECTIVE_PERMUTE, REDUCE_OP, Comm, CostModel, Spec
 from shardplan.compiler.layout import minor_dims
 from shardplan.compiler.traffic import hbm_traffic
@@ -32,7 +31,6 @@ class Analyses:
     computed once per graph (and kind of compiler) and handed to the pricing and the enumerator."""
     traffic: dict            # tensor -> HBM crossings per use, as the ILP counts them (traffic.hbm_traffic)
     priced_traffic: dict     # the same as XLA fuses: a plan's predicted step
-    combined: dict           # reduction result -> how many reductions XLA's combiners merge with it
     narrow: frozenset        # on a TPU: float32 tensors only bfloat16-pass dots read (bf16_pass)
     minor: dict              # on a TPU: tensor -> the dims batched matmuls fix as its tiles
     tuple_slots: int         # on a TPU: the heap slots of tuple results (loops, multi-result kernels)
@@ -42,7 +40,6 @@ class Analyses:
     def of(cls, graph: Graph, tiled: bool) -> Analyses:
         """The analyses of ``graph`` for a compiler that lays arrays out in tiles (a TPU) or not."""
         return cls(traffic=hbm_traffic(graph), priced_traffic=hbm_traffic(graph, fused=True),
-                   combined=combined_reductions(graph),
                    narrow=read_as_bf16(graph) if tiled else frozenset(),
                    minor=minor_dims(graph) if tiled else {},
                    tuple_slots=graph.tuple_results if tiled else 0,
@@ -152,7 +149,7 @@ class Pricer:
             return self.operand_reshard(edge, src_spec, dst_spec)[0]
         produced, partial = edge.produced(src_spec)
         t = self.g.tensors[edge.dst]
-        m, share = self.m, self.a.combined.get(edge.dst, 1)
+        m, share = self.m, self.g.combined.get(edge.dst, 1)
         need = self.scattered_updates(edge, src_spec, dst_spec)
         if need is not None:
             # The updates move (an all-to-all, a gather, or a local slice), each device scatters
@@ -219,7 +216,7 @@ class Pricer:
         t = self.g.tensors[dot.out]
         groups = partial_groups(dot, option)
         out += self.m.reduce_items(t.shape, self.wire(t), prod, partial, out_spec, groups,
-                                   self.a.combined.get(dot.out, 1))
+                                   self.g.combined.get(dot.out, 1))
         return self.scaled(out, dot.mult)
 
     @staticmethod

@@ -75,7 +75,7 @@ def edge_table(pricer, e, spec_of: dict) -> np.ndarray:
         made, m_index = _distinct([(p, tuple(part), REDUCE_OP) for p, part in map(e.produced, haves)])
         dst = g.tensors[e.dst]
         cells = m.reduce_table(dst.shape, pricer.dst_itemsize(e), made, dsts,
-                               pricer.a.combined.get(e.dst, 1))[m_index]
+                               g.combined.get(e.dst, 1))[m_index]
         table = e.mult * cells[np.ix_(h_index, d_index)]
     else:       # a scatter's partial sums (rare): priced cell by cell
         haves, h_index = _distinct(spec_of[e.src])
@@ -97,7 +97,7 @@ def dot_table(pricer, dot, role: str, tid: int, spec_of: dict, derived, groups) 
     t = g.tensors[tid]
     shape, itemsize = t.shape, pricer.wire(t) if role == "out" else pricer.moved_itemsize(dot, t)
     if role == "out":
-        cells = m.reduce_table(shape, itemsize, wants, haves, pricer.a.combined.get(tid, 1))
+        cells = m.reduce_table(shape, itemsize, wants, haves, g.combined.get(tid, 1))
         for i, (prod, _, grp) in enumerate(wants):       # skipped fast: most dots have no batch
             if any(prod[o] for o in batch_dims_out(dot)) and any(len(axes) > 1 for axes in grp or ()):
                 for j, have in enumerate(haves):

@@ -166,6 +166,9 @@ class Graph:
         self.host_points: list[list[int]] = []    # the fullest live sets of host memory (host offload)
         self.point_index: list[int] = []          # per point: its index in the top level's schedule
         self.scheduled: dict[int, int] = {}       # a top-level result -> the index of the op making it
+        # reduction result -> how many reductions XLA's combiners merge with it
+        # (shardplan.compiler.combine.combined_reductions)
+        self.combined: dict[int, int] = {}
         self.eqn_inputs: dict[tuple[str, int], int] = {}    # (eqn path, operand index) -> tensor
         self._paths: set[str] = set()                       # every tensor's path, each once
         self.prefix = ""           # the path of the jaxpr being walked (see eqn_path)

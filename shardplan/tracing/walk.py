@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from shardplan.compiler.combine import feeds_update
+from shardplan.compiler.combine import combined_reductions
 from shardplan.compiler.liveness import IN_PLACE, Level, checkpoints, combining_point, fuse, multi_output_kernels, peak
 from shardplan.errors import ShardplanError
 from shardplan.ir.graph import Graph
@@ -345,9 +345,9 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
     g.donated_outputs = _donated_outputs(g, donated)
     # Where the top-level gradients' combined collective runs, their partial sums wait
     # (compiler/held.py): that point is weighed too.
+    g.combined = combined_reductions(g)
     scheduled = {t: i for i, ts in enumerate(level.defined) for t in ts}
-    waiting = [scheduled[d.out] for d in g.dots
-               if d.out in scheduled and not g.loop_of[d.out] and feeds_update(g, d.out)]
+    waiting = [scheduled[d.out] for d in g.dots if d.out in scheduled and not g.loop_of[d.out] and d.out in g.combined]
     points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points,
                          also=frozenset([max(waiting)] if waiting else []))
     g.points = [live for live, *_ in points]
