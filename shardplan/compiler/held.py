@@ -122,10 +122,12 @@ def _partials(g, price, spec_of, dot_option, index, heap) -> np.ndarray:
             end = max(m[0] for m in run)          # the collective runs after the last of them
             for at, whole, reduced, own, t in run:
                 # From its matmul to the collective the partial sum is held, not the tensor at
-                # its own spec that the checkpoints count; at the collective, both.
+                # its own spec that the checkpoints count; at the collective, both. (Where the
+                # matmul runs, its node counts the partial sum: Enumerator's unreduced product.)
                 for p, live in enumerate(g.points):
                     if at <= index[p] <= end:
-                        out[p] += _heap(price, whole, heap)
+                        if t not in g.running[p]:
+                            out[p] += _heap(price, whole, heap)
                         if index[p] < end and t in live:
                             out[p] -= _heap(price, own, heap)
     return out

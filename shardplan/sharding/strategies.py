@@ -271,10 +271,29 @@ class Enumerator:
                                               [bool(dot_specs(dot, o)[3]) for o in options],
                                               len(points), running, held, combining, heap,
                                               tuple(8 * g.tensors[t].dtype.itemsize for t in (dot.lhs, dot.rhs)))
+            if running and dot.out not in g.fused:
+                memory[running] += self._unreduced(dot, options, heap)[None, :]
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
         return self._full
+
+    def _unreduced(self, dot, options, heap: float) -> np.ndarray:
+        """Per option, the bytes of a matmul's partial sums where it leaves them (a contracted
+        dimension split over mesh axes): XLA's SPMD partitioner emits the local matmul whole at
+        the product's spec, then its all-reduce or reduce-scatter into another buffer, so while it
+        runs the unreduced product is held beside what the tensor's own spec counts (a
+        data-parallel weight gradient: the whole f32[8192,384] before its reduce-scatter to
+        f32[8192,48], in the CPU compiler's buffer assignment; tests/sharding/test_unreduced.py)."""
+        t = self.g.tensors[dot.out]
+        itemsize, minor = self.price.stored_as(dot.out)
+        out = np.zeros(len(options))
+        for i, o in enumerate(options):
+            _, _, prod, partial, _ = dot_specs(dot, o)
+            if partial:
+                whole = self.m.memory_bytes(t.shape, itemsize, prod, minor)
+                out[i] = layout.heap_bytes(whole, self.m.tiled) * heap
+        return out
 
     def step_floor(self) -> float:
         """No plan's predicted step is below this: every node at its cheapest, the pairs between
