@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shardplan
-from shardplan.planning import planner
+from shardplan.planning import solving
 
 MESH = shardplan.load_mesh("cpu-8", axes={"data": 2, "model": 4})
 
@@ -157,8 +157,8 @@ def test_plans_are_read_back_from_the_cache_without_solving(tmp_path, monkeypatc
 
     def no_solving(*a, **k):
         raise AssertionError("the solver ran although the plan was cached")
-    monkeypatch.setattr(planner, "solve", no_solving)
-    monkeypatch.setattr(planner, "solve_exact", no_solving)
+    monkeypatch.setattr(solving, "solve", no_solving)
+    monkeypatch.setattr(solving, "solve_exact", no_solving)
     second = shardplan.plan(_mixed_precision_step, *args, mesh=MESH, time_limit=2, cache=tmp_path)
     assert second.specs_by_tensor() == first.specs_by_tensor() and second.in_tree == first.in_tree
     # A corrupt entry is never trusted: a warning, then a fresh plan (with the solver).
