@@ -97,13 +97,17 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         # The ILP's checkpoints leave out the resharded copies and waiting partial sums a plan
         # holds (their bytes depend on pairs of choices: compiler/held.py); where they put the plan
         # over the budget, it is solved again under a lower one, a few times at most.
-        def solve_under(ilp_budget):
+        def solve_under(ilp_budget, options=options):
             # Without the memory constraint first: if that optimum fits, it is the constrained optimum
             # too. Memory plays no part there, so far more options are dead ends than under a budget.
             if wide(enum):
                 problem, sol, bound = solve_by_axes(enum, ilp_budget, options, line, graph, unwanted, beat)
                 return problem, sol, sol.choice, bound
             return solve_built(enum.build(), ilp_budget, options, line, graph, enum, unwanted)
+
+        # The error's smallest budget that works is a figure, not a plan: its solves near the
+        # leanest plan, where CP-SAT works longest to find one that fits, are cut short.
+        quick = dataclasses.replace(options, time_limit=min(options.time_limit, _LEANEST_TIME_LIMIT))
 
         least = math.inf           # the leanest plan's memory seen
 
@@ -128,7 +132,8 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
         try:
             plan, done = attempt(budget_bytes)
         except InfeasibleBudgetError as e:
-            raise failed(with_leanest(e, solve_under, lambda p, c: plan_memory(graph, enum, p, c))) from None
+            raise failed(with_leanest(e, lambda b: solve_under(b, quick),
+                                      lambda p, c: plan_memory(graph, enum, p, c))) from None
         ilp_budget, lean = budget_bytes, None
         for _ in range(_HELD_ROUNDS):
             if done:
@@ -166,6 +171,9 @@ def plan_jaxpr(closed_jaxpr, input_names: Sequence[str], input_args: Sequence[in
 
 # Solves at most, where what a plan holds beyond its tensors (compiler/held.py) puts it over the budget.
 _HELD_ROUNDS = 6
+# CP-SAT's deterministic seconds for each solve that only refines an InfeasibleBudgetError's
+# smallest budget that works (with the default 30 s, three of them took 70 s each on one MoE).
+_LEANEST_TIME_LIMIT = 2.0
 
 
 def _check_manual_meshes(graph: Graph, mesh: MeshSpec) -> None:
