@@ -10,8 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest-xdist (-n 2), one of each worker's own: a test that expects to plan must not read a plan
 # another worker cached a moment before.
 if "SHARDPLAN_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["SHARDPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardplan-test-cache-")
+    # Removed when the process that made it ends (the xdist workers' are inside it).
+    atexit.register(shutil.rmtree, os.environ["SHARDPLAN_CACHE_DIR"], True)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["SHARDPLAN_CACHE_DIR"] = os.path.join(os.environ["SHARDPLAN_CACHE_DIR"],
                                                      os.environ["PYTEST_XDIST_WORKER"])
