@@ -23,6 +23,7 @@ vectors, which is what made the TPU audit of the tiny reference models read 26-4
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -119,3 +120,29 @@ def minor_dims(graph) -> dict[int, tuple[int, ...]]:
             out[stack] = dims
             stack = graph.stacked_into.get(stack)
     return out
+
+
+
+
+def cpu_dot_copies(dims, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> tuple[bool, bool]:
+    """Whether XLA's CPU compiler copies a matmul's (lhs, rhs) into another order before it
+    runs. Its matmul reads each operand as a row-major ``[batch..., rows, columns]``: the batch
+    dimensions must lead, and an operand whose contracted or free dimensions are several must
+    have them in the order that collapses them into one by a bitcast (the lhs ``[free...,
+    contracted...]``, the rhs ``[contracted..., free...]``); with one of each, either order
+    does (the kernel transposes). Otherwise the operand is transposed into a buffer of its own
+    while the matmul runs: a weight gradient ``einsum('bsd,bsf->df')`` copies its ``[b, s, d]``
+    lhs to ``[d, b*s]`` (the CPU compiler's programs: tests/compiler/test_layout.py).
+    ``dims``: :attr:`~shardplan.ir.graph.DotOp.dims`; dimensions of size 1 do not count."""
+    def copied(side: int, shape: Sequence[int], canonical: str) -> bool:
+        kinds = {}
+        for d in dims:
+            if d[side] is not None and shape[d[side]] > 1:
+                kinds[d[side]] = "b" if None not in d else ("f" if d[2] is not None else "k")
+        order = "".join(kinds[i] for i in sorted(kinds))
+        rest = order.lstrip("b")
+        if "b" in rest:
+            return True
+        return (rest.count("k") > 1 or rest.count("f") > 1) and re.fullmatch(canonical, rest) is None
+
+    return copied(0, lhs_shape, "f*k*"), copied(1, rhs_shape, "k*f*")

@@ -273,6 +273,8 @@ class Enumerator:
                                               tuple(8 * g.tensors[t].dtype.itemsize for t in (dot.lhs, dot.rhs)))
             if running and dot.out not in g.fused:
                 memory[running] += self._unreduced(dot, options, heap)[None, :]
+            if running and g.compiler == "cpu":
+                memory[running] += self._reordered(dot, options, heap)[None, :]
             nodes.append(Node("dot", k, options, cost, memory, dot.source, signature))
             self._untrafficked.append(cost)
         self._full = Problem(nodes, EdgeTables(), base_memory, node_of_group, node_of_dot), spec_of
@@ -293,6 +295,24 @@ class Enumerator:
             if partial:
                 whole = self.m.memory_bytes(t.shape, itemsize, prod, minor)
                 out[i] = layout.heap_bytes(whole, self.m.tiled) * heap
+        return out
+
+    def _reordered(self, dot, options, heap: float) -> np.ndarray:
+        """Per option, the bytes of the operands XLA's CPU compiler copies into the order its
+        matmul kernel reads (:func:`shardplan.compiler.layout.cpu_dot_copies`), at the spec the
+        option reads them: a copy of its own where the operand is kept as it is for another
+        reader (a weight gradient's activation, read by the matmuls of the gradient of the
+        layer's input too); an operand read by this matmul alone is made in that order."""
+        g = self.g
+        shapes = [g.tensors[t].shape for t in (dot.lhs, dot.rhs)]
+        copied = layout.cpu_dot_copies(dot.dims, *shapes)
+        out = np.zeros(len(options))
+        for side, tid in enumerate((dot.lhs, dot.rhs)):
+            if not copied[side] or tid in g.fused or (tid not in g.inputs and len(g.readers.get(tid, ())) < 2):
+                continue
+            for i, o in enumerate(options):
+                need = dot_specs(dot, o)[side]
+                out[i] += layout.heap_bytes(self.price.stored_bytes(tid, need), self.m.tiled) * heap
         return out
 
     def step_floor(self) -> float:

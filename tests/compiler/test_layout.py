@@ -130,3 +130,44 @@ def test_libtpu_starts_every_heap_temporary_at_the_alignment(tmp_path):
     values = [(int(size), int(offset)) for size, offset in re.findall(r"\(size=(\d+),offset=(\d+)\)", block)]
     assert sum(size < HEAP_ALIGN for size, _ in values) >= 5, values
     assert all(offset % HEAP_ALIGN == 0 for _, offset in values), values
+
+
+# (lhs shape, rhs shape, (contracted dims), (batch dims)): which operands XLA's CPU compiler
+# copies into another order before its matmul (cpu_dot_copies), against its compiled program.
+_DOTS = [
+    ((384, 256), (384, 640), ((0,), (0,)), ((), ())),                  # one of each: transposed in place
+    ((4, 96, 256), (4, 96, 640), ((0, 1), (0, 1)), ((), ())),          # a weight gradient: the lhs copied
+    ((256, 4, 96), (4, 96, 640), ((1, 2), (0, 1)), ((), ())),
+    ((4, 96, 256), (640, 4, 96), ((0, 1), (1, 2)), ((), ())),          # both
+    ((256, 4, 96), (640, 4, 96), ((1, 2), (1, 2)), ((), ())),          # the rhs
+    ((8, 96, 256), (8, 96, 640), ((1,), (1,)), ((0,), (0,))),
+    ((256, 8, 96), (8, 96, 640), ((2,), (1,)), ((1,), (0,))),          # a batch dimension not leading
+    ((4, 96, 256), (256, 640), ((2,), (0,)), ((), ())),                # x @ w
+    ((4, 96, 640), (256, 640), ((2,), (1,)), ((), ())),                # dy @ w.T
+    ((4, 96, 8, 32), (256, 8, 32), ((2, 3), (1, 2)), ((), ())),        # heads into d_model: the rhs
+    ((4, 96, 8, 32), (8, 32, 256), ((2, 3), (0, 1)), ((), ())),
+    ((4, 96, 8, 32), (4, 96, 8, 32), ((3,), (3,)), ((0, 2), (0, 2))),  # attention scores: both
+]
+
+
+def _dims(lhs, rhs, contracted, batch):
+    (lc, rc), (lb, rb) = contracted, batch
+    out = [(x, y, k) for k, (x, y) in enumerate(zip(lb, rb))]
+    out += [(i, None, None) for i in range(len(lhs)) if i not in lc and i not in lb]
+    out += [(None, i, None) for i in range(len(rhs)) if i not in rc and i not in rb]
+    out = [(x, y, k if z is None else z) for k, (x, y, z) in enumerate(out)]
+    return tuple(out) + tuple((x, y, None) for x, y in zip(lc, rc))
+
+
+@pytest.mark.parametrize("lhs, rhs, contracted, batch", _DOTS)
+def test_which_matmul_operands_the_cpu_compiler_copies_into_its_order(lhs, rhs, contracted, batch):
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.compiler.layout import cpu_dot_copies
+    f = jax.jit(lambda a, b: (jax.lax.dot_general(a, b, (contracted, batch)), jnp.tanh(a), jnp.tanh(b)))
+    compiled = f.lower(jax.ShapeDtypeStruct(lhs, jnp.float32), jax.ShapeDtypeStruct(rhs, jnp.float32)).compile()
+    # Operands, results and the tanh's are not temporaries: what is, is the copies.
+    copied = cpu_dot_copies(_dims(lhs, rhs, contracted, batch), lhs, rhs)
+    expected = sum(int(np.prod(s)) * 4 for s, c in zip((lhs, rhs), copied) if c)
+    assert compiled.memory_analysis().temp_size_in_bytes == pytest.approx(expected, abs=4096), copied
