@@ -65,7 +65,10 @@ def _copies(g, price, spec_of, dot_option, index, heap) -> np.ndarray:
             continue
         req_l, req_r, *_ = dot_specs(dot, dot_option(k))
         for tid, need in ((dot.lhs, req_l), (dot.rhs, req_r)):
-            if need == spec_of[tid] or tid in g.fused:
+            if need == spec_of[tid] or tid in g.fused and g.compiler != "cpu":
+                # (A transpose fused into its matmuls: the CPU compiler gathers it once, into
+                # a copy CSE shares; the GPU compiler transposes the shard and gathers it again
+                # for each matmul, its buffer assignment shows.)
                 continue
             key = (tid, need, price.moved_itemsize(dot, g.tensors[tid]), g.region_of[dot.out])
             span = spans.setdefault(key, [at, at, 0])
@@ -105,8 +108,26 @@ def _partials(g, price, spec_of, dot_option, index, heap) -> np.ndarray:
         # the tensor's own spec splits (a reduce-scatter), summed whole over the rest.
         made = price.m.reduced_spec(prod, partial, spec_of[t])
         reduced = price.m.memory_bytes(shape, itemsize, made, minor)
-        kind = "all-reduce" if made == prod else "reduce-scatter"
+        kind = _kind(g, made, prod)
         waiting.append((at, (kind, tuple(sorted(partial))), whole, reduced, price.stored_bytes(t, spec_of[t]), t))
+    for e in g.edges:
+        # The combiner merges the other partial sums of its loop trip too (a loss, a bias's or a
+        # norm scale's reduce over the batch): they decide when the collective runs.
+        t = e.dst
+        at = g.scheduled.get(t)
+        if e.produced is None or g.loop_of[t] or at is None or t not in g.combined:
+            continue
+        # (A scatter by operand passthrough moves its updates first: Pricer.edge_comms.)
+        moved = price.scattered_updates(e, spec_of[e.src], spec_of[t])
+        prod, partial = e.produced(spec_of[e.src] if moved is None else moved)
+        if not partial:
+            continue
+        itemsize, minor = price.stored_as(t)
+        shape = g.tensors[t].shape
+        made = price.m.reduced_spec(prod, partial, spec_of[t])
+        kind = _kind(g, made, prod)
+        waiting.append((at, (kind, tuple(sorted(partial))), price.m.memory_bytes(shape, itemsize, prod, minor),
+                        price.m.memory_bytes(shape, itemsize, made, minor), price.stored_bytes(t, spec_of[t]), t))
     # Each combiner merges its collectives in schedule order up to the threshold (on the
     # collective's result).
     groups: dict[tuple, list[list]] = {}
@@ -131,3 +152,10 @@ def _partials(g, price, spec_of, dot_option, index, heap) -> np.ndarray:
                         if index[p] < end and t in live:
                             out[p] -= _heap(price, own, heap)
     return out
+
+
+def _kind(g, made, prod) -> str:
+    """The combiner a partial sum's reduction goes to: a reduce-scatter's where it is reduced
+    to a split spec, but on the CPU compiler, which emits every reduce-scatter as an all-reduce
+    (its users keep their slice: :func:`shardplan.compiler.hlo.collectives`)."""
+    return "all-reduce" if made == prod or g.compiler == "cpu" else "reduce-scatter"
