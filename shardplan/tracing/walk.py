@@ -141,6 +141,8 @@ class _Walker:
             for t in ins if not inlined else ():
                 if t is not None:
                     level.last_use[t] = i
+                    if t in level.twin:          # a recomputed value: its first computation is read
+                        level.last_use[level.twin[t]] = i
             here = eqn_path(prefix, position, eqn)
             if prim == "custom_lin":
                 raise ShardplanError(
@@ -184,6 +186,8 @@ class _Walker:
                 g.made_by.update((t, made) for t in outs if t is not None)
             else:
                 outs = self._fresh(mult, eqn, here)
+                if g.compiler == "cpu" and outs and not g.loop_of[outs[0]]:
+                    _recomputed(level, eqn, ins, outs, g.current_region != 0)
                 self.rules(g, eqn, ins, outs, mult)
                 for k, t in enumerate(ins):
                     if t is not None:
@@ -201,7 +205,7 @@ class _Walker:
                     g.readers.setdefault(t, []).append((prim, [o for o in outs if o is not None]))
             for v, t in zip(eqn.outvars, outs):
                 env[v] = t
-            level.defined.append([t for t in outs if t is not None])
+            level.defined.append([t for t in outs if t is not None and t not in level.twin])
         outs = [read(v) for v in jaxpr.outvars]
         if inline:
             return outs
@@ -212,7 +216,7 @@ class _Walker:
         for init, result, i in level.takeovers:
             if result not in level.last_use:      # never read: the carry's buffer lives through the loop
                 level.last_use[init] = max(level.last_use.get(init, i), i)
-        fuse(g, level, set(outs))
+        fuse(g, level, set(outs) | set(level.twin.values()))     # (a recomputed value's first: stored)
         return outs
 
     def _fresh(self, mult: float, eqn, here: str) -> list[int]:
@@ -347,7 +351,7 @@ def build_graph(closed_jaxpr, input_names: Sequence[str], rules: Callable, *, nu
     # (compiler/held.py): that point is weighed too.
     g.combined = combined_reductions(g)
     scheduled = {t: i for i, ts in enumerate(level.defined) for t in ts}
-    waiting = [scheduled[d.out] for d in g.dots if d.out in scheduled and not g.loop_of[d.out] and d.out in g.combined]
+    waiting = [scheduled[t] for t in g.combined if t in scheduled and not g.loop_of[t]]
     points = checkpoints(g, level, set(consts + ins) | g.donated_outputs, num_points,
                          also=frozenset([max(waiting)] if waiting else []))
     g.points = [live for live, *_ in points]
@@ -375,6 +379,44 @@ def _donated_outputs(graph: Graph, donated: Sequence[bool]) -> frozenset[int]:
             free[key] -= 1
             out.add(t)
     return frozenset(out)
+
+
+# Ops XLA's CSE leaves apart: each draws or does something of its own.
+_NOT_COMMONED = ("random", "rng", "custom", "callback", "pure_callback", "io_callback", "debug", "psum",
+                 "all_gather", "all_to_all", "ppermute", "axis_index", "reduce_scatter", "device_put")
+
+
+def _recomputed(level: Level, eqn, ins: list, outs: list, recomputing: bool) -> None:
+    """On XLA's CPU compiler, at the top level: where an op a differentiated ``jax.checkpoint``
+    recomputes (``recomputing``) computes what an op before it computed (its operands the same
+    values, or their recomputations), its results are that op's
+    (:attr:`~shardplan.compiler.liveness.Level.twin`): they take no memory of their own, and the
+    first computation lives until the backward pass reads it. The CPU compiler's programs: a
+    step with its layers unrolled and checkpointed holds what it holds without the checkpoints,
+    while the recomputation's collectives are still run (tests/tracing/test_cse.py). (In a
+    loop, the backward trip recomputes what another trip computed: the checkpoint saves there.)"""
+    key = _computed_key(eqn, [level.twin.get(t, t) for t in ins])
+    if key is None:
+        return
+    first = level.computed.setdefault(key, outs)
+    if first is not outs and recomputing:
+        level.twin.update((o, f) for o, f in zip(outs, first) if o is not None and f is not None)
+
+
+def _computed_key(eqn, ins) -> tuple | None:
+    """What an op computes, for XLA's CSE: its primitive, its parameters and its operands (a
+    literal by value); ``None`` for an op CSE leaves apart, or whose parameters hold a program."""
+    prim = eqn.primitive.name
+    if any(word in prim for word in _NOT_COMMONED) or eqn.effects:
+        return None
+    params = []
+    for k, v in sorted(eqn.params.items()):
+        if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) or callable(v):
+            return None
+        params.append((k, repr(v)))
+    operands = tuple(t if t is not None else ("literal", repr(getattr(v, "val", v)), str(v.aval))
+                     for v, t in zip(eqn.invars, ins))
+    return prim, tuple(params), operands
 
 
 def _is_zero(v) -> bool:
