@@ -40,8 +40,7 @@ class Level:
     # (carry's initial value, loop's result, loop's eqn index): the result took over the buffer
     # (walk's loop rule); where nothing reads the result, the buffer lives through the loop still
     takeovers: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    # (primitive, its parameters, its operands) -> the results of the op that computed it first,
-    # and a later op's result computing the same -> that first one (tracing.walk._recomputed)
+    # what an op computes -> its first results; a recomputed result -> its first (walk._recomputed)
     computed: dict[tuple, list[int]] = dataclasses.field(default_factory=dict)
     twin: dict[int, int] = dataclasses.field(default_factory=dict)
 

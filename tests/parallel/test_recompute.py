@@ -221,10 +221,13 @@ def test_unrolled_layers_marked_with_layer_remat_form_one_class():
         return jnp.mean((h - y) ** 2)
     state, batch = _state_and_batch()
     abstract = jax.eval_shape(lambda: state)
-    p = shardplan.plan(_step(loss), abstract, batch, remat="full", **KW)
+    # On a GPU mesh: the GPU compiler recomputes unrolled layers (the CPU's holds what it holds
+    # without: tests/tracing/test_cse.py).
+    kw = {**KW, "mesh": "h100-8"}
+    p = shardplan.plan(_step(loss), abstract, batch, remat="full", **kw)
     (site,) = p.remat["sites"]
     assert site["layers"] == L and site["policy"] == "full"
-    p_none = shardplan.plan(_step(loss), abstract, batch, remat="none", **KW)
+    p_none = shardplan.plan(_step(loss), abstract, batch, remat="none", **kw)
     assert p.cost.memory_bytes < p_none.cost.memory_bytes and p.cost.compute_s > p_none.cost.compute_s
 
 
